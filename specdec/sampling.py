@@ -1,0 +1,107 @@
+"""Logits -> probabilities (temperature, top-k, top-p) and seeded draws.
+
+The same transform is applied to target and draft logits before p and q are formed: the
+rejection rule is exact for whatever distribution p is, so p must be the distribution the
+user asked for (the warped one), and q must be warped alike or acceptance collapses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
+
+
+def warp_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """fp32 probabilities [N, V] for N rows of logits; row i uses params[i].
+
+    Greedy rows become one-hot at the argmax, so every consumer (sampler, rejection rule)
+    treats greedy as the deterministic limit without a special case leaking into the maths.
+    """
+    logits = logits.float()
+    n = logits.shape[0]
+    if len(params) != n:
+        raise ValueError(f"{n} rows of logits but {len(params)} sampling params")
+    out = torch.empty_like(logits)
+    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    if greedy.any():
+        idx = greedy.nonzero().squeeze(1)
+        out[idx] = 0.0
+        out[idx, logits[idx].argmax(-1)] = 1.0
+    if (~greedy).any():
+        idx = (~greedy).nonzero().squeeze(1)
+        temps = torch.tensor([params[i].temperature for i in idx.tolist()],
+                             device=logits.device).unsqueeze(1)
+        scaled = logits[idx] / temps
+        top_k = [params[i].top_k for i in idx.tolist()]
+        top_p = [params[i].top_p for i in idx.tolist()]
+        if any(k > 0 for k in top_k) or any(p < 1 for p in top_p):
+            scaled = _cut_top_k_top_p(scaled, top_k, top_p)
+        out[idx] = torch.softmax(scaled, dim=-1)
+    return out
+
+
+def _cut_top_k_top_p(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    V = scaled.shape[-1]
+    rank = torch.arange(V, device=scaled.device).unsqueeze(0)
+    k = torch.tensor([kk if kk > 0 else V for kk in top_k], device=scaled.device).unsqueeze(1)
+    drop = rank >= k
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before
+    # it already reaches top_p. The top token always stays.
+    before = probs.cumsum(-1) - probs
+    p = torch.tensor(top_p, device=scaled.device).unsqueeze(1)
+    drop |= before >= p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def sample(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row from probs [N, V]; row i draws from generators[i] (reproducible)."""
+    u = torch.stack([torch.rand((), generator=g, device=g.device) for g in generators])
+    return draw_with_uniform(probs, u.to(probs.device))
+
+
+def draw_with_uniform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: the token whose cumulative mass first exceeds u * total."""
+    cdf = probs.cumsum(-1)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # u * total can land on the last edge through rounding: clamp to the last token with mass.
+    last_nonzero = (probs > 0).float().cumsum(-1).argmax(-1)
+    return torch.minimum(idx, last_nonzero)

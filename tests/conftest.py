@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny random checkpoints made on the fly, and real models from the pack.
+
+Real models are loaded once per test session. The pack is fetched through the project's
+own fetch code if it is missing (`make test` fetches it beforehand, with progress).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Tests never reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+def make_tiny_checkpoint(path: Path, arch: str, **overrides) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                  tie_word_embeddings=False, initializer_range=0.15)
+    common.update(overrides)
+    cfg = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common)
+    torch.manual_seed(hash((arch, tuple(sorted(overrides.items())))) % 2**31)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        # Random biases so that Qwen2's q/k/v biases are exercised (HF inits them at zero).
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2",
+                                tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny_checkpoint(request, tiny_llama, tiny_qwen2) -> Path:
+    return tiny_llama if request.param == "llama" else tiny_qwen2
+
+
+def pack_model(name: str) -> Path:
+    from specdec import hub
+
+    return hub.resolve(name, fetch_missing=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return pack_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def qwen_draft_path() -> Path:
+    return pack_model("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def qwen_target_path() -> Path:
+    return pack_model("qwen2.5-coder-1.5b")

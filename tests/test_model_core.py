@@ -1,0 +1,103 @@
+"""Our decoder's logits equal transformers' on the same checkpoint (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdec.batch import BatchInput
+from specdec.config import DecoderConfig, UnsupportedModel
+from specdec.model import Decoder
+
+
+def reference_logits(path, ids: list[int]) -> torch.Tensor:
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        return ref(torch.tensor([ids])).logits[0].float()
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor, atol: float) -> None:
+    diff = (ours - ref).abs().max().item()
+    assert diff <= atol, f"max abs logit difference {diff} > {atol}"
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1)), "argmax differs at some position"
+
+
+def check_all_modes(path, seqs: list[list[int]], atol: float) -> None:
+    """Prefill, step-by-step decode, ragged batch, and rollback, all against HF."""
+    model = Decoder.from_checkpoint(path, torch.float32)
+    refs = [reference_logits(path, s) for s in seqs]
+    cache = model.new_cache(num_slots=4, max_len=128)
+    a = seqs[0]
+
+    # Prefill: every position's logits from one forward.
+    out = model(BatchInput.build([(0, 0, a)]), cache, logit_indices=torch.arange(len(a)))
+    assert_close(out, refs[0], atol)
+
+    # Step-by-step decode in another slot, one token per forward.
+    steps = [model(BatchInput.build([(1, i, [t])]), cache) for i, t in enumerate(a)]
+    assert_close(torch.cat(steps), refs[0], atol)
+
+    # Ragged batch: three sequences of different lengths in one forward, slots out of order.
+    rows = [(3, 0, seqs[0]), (0, 0, seqs[1]), (2, 0, seqs[2])]
+    n = sum(len(s) for s in seqs)
+    out = model(BatchInput.build(rows), cache, logit_indices=torch.arange(n))
+    assert_close(out, torch.cat(refs), atol)
+
+    # Mixed ragged: continue slot 3 by 1 token and slot 0 by 3 tokens in one forward
+    # (a decode row next to a verify row).
+    ext0, ext1 = seqs[0] + [5], seqs[1] + [7, 8, 9]
+    rows = [(3, len(seqs[0]), [5]), (0, len(seqs[1]), [7, 8, 9])]
+    out = model(BatchInput.build(rows), cache, logit_indices=torch.arange(4))
+    assert_close(out[:1], reference_logits(path, ext0)[-1:], atol)
+    assert_close(out[1:], reference_logits(path, ext1)[-3:], atol)
+
+    # Rollback: slot 0 goes back to 4 tokens, then takes different new tokens; stale K/V
+    # after position 4 must be overwritten or masked.
+    keep = 4
+    new = [11, 12, 13]
+    out = model(BatchInput.build([(0, keep, new)]), cache, logit_indices=torch.arange(3))
+    assert_close(out, reference_logits(path, seqs[1][:keep] + new)[keep:], atol)
+
+
+def test_tiny_models_match_transformers(tiny_checkpoint):
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (9, 13, 6)]
+    check_all_modes(tiny_checkpoint, seqs, atol=1e-4)
+
+
+@pytest.mark.real_model
+def test_smollm2_matches_transformers(smollm2_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    seqs = [tok(t).input_ids for t in ("def add(a, b):\n    return",
+                                       "The quick brown fox jumps over the lazy dog because",
+                                       "Hello, world")]
+    check_all_modes(smollm2_path, seqs, atol=1e-3)
+
+
+def test_bf16_runs_and_tracks_fp32(tiny_llama):
+    m32 = Decoder.from_checkpoint(tiny_llama, torch.float32)
+    m16 = Decoder.from_checkpoint(tiny_llama, torch.bfloat16)
+    ids = list(range(3, 20))
+    b = BatchInput.build([(0, 0, ids)])
+    idx = torch.arange(len(ids))
+    a = m32(b, m32.new_cache(1, 64), logit_indices=idx)
+    c = m16(b, m16.new_cache(1, 64), logit_indices=idx)
+    assert c.dtype == torch.float32 and m16.layers[0].w["qkv"].dtype == torch.bfloat16
+    assert (a - c).abs().max() < 0.1 * a.abs().max()
+
+
+def test_unsupported_architecture_is_named():
+    with pytest.raises(UnsupportedModel, match="gpt2.*supported architectures: llama, qwen2, mistral"):
+        DecoderConfig.from_dict({"model_type": "gpt2"})
+
+
+def test_cache_overflow_is_refused(tiny_llama):
+    m = Decoder.from_checkpoint(tiny_llama, torch.float32)
+    cache = m.new_cache(1, 8)
+    with pytest.raises(ValueError, match="exceeds the cache"):
+        m(BatchInput.build([(0, 0, list(range(3, 12)))]), cache)
+    with pytest.raises(ValueError, match="max context"):
+        m.new_cache(1, 10_000)
