@@ -22,13 +22,21 @@ from specdec.sampling import draw_with_uniform
 PLACEHOLDER = -1  # output slots after the last emitted token
 
 
-def _uniforms(batch: int, width: int, generator, device) -> torch.Tensor:
+def _uniforms(num_draft: torch.Tensor, width: int, generator, device) -> torch.Tensor:
+    """[B, k+1] uniforms: row b's accept draws in columns :num_draft[b], its final draw in
+    column k. With per-row generators each row consumes exactly num_draft[b] + 1 numbers,
+    so a seeded request's draws do not depend on what else shares its batch."""
+    B = num_draft.shape[0]
     if generator is None or isinstance(generator, torch.Generator):
-        return torch.rand(batch, width, generator=generator, device=device)
-    if len(generator) != batch:
-        raise ValueError(f"{batch} rows but {len(generator)} generators")
-    return torch.stack([torch.rand(width, generator=g, device=g.device) for g in generator]
-                       ).to(device)
+        return torch.rand(B, width, generator=generator, device=device)
+    if len(generator) != B:
+        raise ValueError(f"{B} rows but {len(generator)} generators")
+    u = torch.zeros(B, width)
+    for b, (g, n) in enumerate(zip(generator, num_draft.tolist(), strict=True)):
+        r = torch.rand(n + 1, generator=g, device=g.device).cpu()
+        u[b, :n] = r[:n]
+        u[b, width - 1] = r[n]
+    return u.to(device)
 
 
 def rejection_sample(
@@ -64,7 +72,7 @@ def rejection_sample(
     else:
         q_draft = draft_probs.gather(-1, x.unsqueeze(-1)).squeeze(-1)
 
-    u = _uniforms(B, k + 1, generator, device)
+    u = _uniforms(num_draft, k + 1, generator, device)
     # u * q < p  <=>  u < p / q, without dividing by a q that rounding made zero.
     accept = u[:, :k] * q_draft < p_draft
     target_argmax = target_probs.argmax(-1)  # [B, k+1]
@@ -79,12 +87,13 @@ def rejection_sample(
     # rejection, a bonus draw from p_{k+1} after a full acceptance.
     rows = torch.arange(B, device=device)
     p_at = target_probs[rows, num_accepted]  # [B, V]
-    if draft_probs is None:
-        q_at = torch.zeros_like(p_at)
-        q_at[rows, x[rows, num_accepted.clamp(max=max(k - 1, 0))]] = 1.0 if k else 0.0
-    else:
-        q_at = draft_probs[rows, num_accepted.clamp(max=max(k - 1, 0))] if k else \
-            torch.zeros_like(p_at)
+    q_at = torch.zeros_like(p_at)  # q where the rejection happened (unused otherwise)
+    if k:
+        j = num_accepted.clamp(max=k - 1)
+        if draft_probs is None:
+            q_at[rows, x[rows, j]] = 1.0
+        else:
+            q_at = draft_probs[rows, j].to(p_at.dtype)
     residual = torch.clamp(p_at - q_at, min=0.0)
     dist = torch.where(rejected.unsqueeze(1), residual, p_at)
     # A residual that rounding emptied (p == q up to float error) falls back to p.

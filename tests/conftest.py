@@ -49,6 +49,30 @@ def tiny_qwen2(tmp_path_factory) -> Path:
                                 tie_word_embeddings=True)
 
 
+def make_perturbed_copy(src: Path, dst: Path, noise: float, seed: int) -> Path:
+    """A draft for a tiny target: the same weights plus noise, so it agrees often but not
+    always (a random unrelated model would reject nearly everything)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise * p.std().clamp(min=1e-3))
+    model.save_pretrained(dst)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_draft(tmp_path_factory, tiny_llama) -> Path:
+    return make_perturbed_copy(tiny_llama, tmp_path_factory.mktemp("tiny-llama-draft"), 0.05, 1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_draft(tmp_path_factory, tiny_qwen2) -> Path:
+    return make_perturbed_copy(tiny_qwen2, tmp_path_factory.mktemp("tiny-qwen2-draft"), 0.05, 2)
+
+
 @pytest.fixture(scope="session", params=["llama", "qwen2"])
 def tiny_checkpoint(request, tiny_llama, tiny_qwen2) -> Path:
     return tiny_llama if request.param == "llama" else tiny_qwen2

@@ -1,0 +1,289 @@
+"""The engine: continuous batching of plain and speculative requests over one target.
+
+Each step: admit waiting requests into free KV slots; ask the proposers for this round's
+guesses (one batched call per proposer); run ONE target forward over the ragged batch
+(decode rows 1 token, speculative rows 1 + k, prefill chunks with what budget is left);
+apply stop rules to what the rejection sampler kept; stream it; tell the proposers how much
+was kept. Requests join and leave between steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from specdec.metrics import SpecCounters
+from specdec.proposers import ProposeInput, Proposer
+from specdec.request import CapacityError, EngineError, Request, RequestOutput
+from specdec.stop import Detokenizer
+from specdec.target_runner import TargetResult, TargetRow, TargetRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_tokens_per_step: int = 512   # prefill chunks fill what decode rows leave of this
+    min_prefill_chunk: int = 32      # so a prefill advances even under a full decode batch
+    max_waiting: int = 256           # queued requests beyond this are refused (overload)
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """What one step cost, for load estimates (tokens per step -> step time)."""
+    rows: int
+    tokens: int
+    draft_s: float
+    verify_s: float
+
+
+@dataclasses.dataclass
+class _Seq:
+    req: Request
+    slot: int
+    tokens: list[int]
+    prompt_len: int
+    cached: int = 0                  # tokens in the target's KV cache
+    detok: Detokenizer | None = None
+    spec: SpecCounters = dataclasses.field(default_factory=SpecCounters)
+    k_now: int = 0
+    finished: bool = False
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+KChooser = Callable[["Engine", Request, SpecCounters, int], int]
+
+
+class Engine:
+    def __init__(self, target: TargetRunner, proposers: dict[str, Proposer] | None = None,
+                 tokenizer=None, eos_ids: Iterable[int] = (),
+                 config: EngineConfig | None = None, choose_k: KChooser | None = None) -> None:
+        self.target = target
+        self.proposers = dict(proposers or {})
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset(eos_ids)
+        self.config = config or EngineConfig()
+        # The policy hook: revisit k between rounds (default: the request's own k).
+        self.choose_k = choose_k
+        self._lock = threading.Lock()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._aborts: set[str] = set()
+        self._running: dict[str, _Seq] = {}
+        self._free_slots = list(range(target.max_slots - 1, -1, -1))
+        self.totals: dict[str, SpecCounters] = collections.defaultdict(SpecCounters)
+        self.history: collections.deque[StepRecord] = collections.deque(maxlen=256)
+        self.steps = 0
+
+    # ---- submission (thread-safe) -------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        n, m, limit = len(req.prompt_ids), req.params.max_tokens, self.target.max_len
+        if n == 0:
+            raise EngineError("prompt is empty")
+        if n + m > limit:
+            raise CapacityError(
+                f"prompt ({n} tokens) + max_tokens ({m}) exceeds the context limit of {limit} "
+                "tokens")
+        if req.method != "none" and req.k > 0 and req.method not in self.proposers:
+            raise EngineError(f"speculation method {req.method!r} is not available; "
+                              f"available: {sorted(self.proposers) or 'none'}")
+        with self._lock:
+            if len(self._waiting) >= self.config.max_waiting:
+                raise CapacityError(f"queue full ({self.config.max_waiting} waiting requests)")
+            self._waiting.append(req)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.add(request_id)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._waiting or self._running)
+
+    def load(self) -> dict:
+        with self._lock:
+            waiting = len(self._waiting)
+        recent = list(self.history)[-16:]
+        return {
+            "running": len(self._running), "waiting": waiting,
+            "free_slots": len(self._free_slots),
+            "tokens_per_step": sum(r.tokens for r in recent) / len(recent) if recent else 0.0,
+            "step_s": sum(r.draft_s + r.verify_s for r in recent) / len(recent) if recent else 0.0,
+        }
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        self._apply_aborts(outputs)
+        self._admit()
+        if not self._running:
+            return outputs
+        rows, num_draft, t_draft = self._plan()
+        t0 = time.perf_counter()
+        try:
+            results = self.target.step(rows)
+        except Exception as exc:  # the target is gone: fail what it held, keep serving
+            log.exception("target step failed")
+            for seq in list(self._running.values()):
+                outputs.append(self._finish(seq, "error", error=f"target failed: {exc}"))
+            return outputs
+        t_verify = time.perf_counter() - t0
+        self.steps += 1
+        self.history.append(StepRecord(len(rows), sum(len(r.tokens) for r in rows),
+                                       t_draft, t_verify))
+        by_id = {r.seq_id: r for r in results}
+        for row in rows:
+            seq = self._running[row.seq_id]
+            if not row.sample:
+                seq.cached += len(row.tokens)
+                continue
+            if num_draft.get(row.seq_id, 0):
+                seq.spec.draft_s += t_draft
+            seq.spec.verify_s += t_verify
+            outputs.append(self._advance(seq, row, by_id[row.seq_id]))
+        return outputs
+
+    def _apply_aborts(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            aborts, self._aborts = self._aborts, set()
+            if aborts:
+                self._waiting = collections.deque(r for r in self._waiting
+                                                  if r.request_id not in aborts)
+        for rid in aborts:
+            seq = self._running.get(rid)
+            if seq is not None:
+                outputs.append(self._finish(seq, "abort"))
+
+    def _admit(self) -> None:
+        while self._free_slots:
+            with self._lock:
+                if not self._waiting:
+                    return
+                req = self._waiting.popleft()
+            seq = _Seq(req, self._free_slots.pop(), list(req.prompt_ids), len(req.prompt_ids))
+            if self.tokenizer is not None:
+                seq.detok = Detokenizer(self.tokenizer, req.params.stop)
+            self.target.start_sequence(req.request_id, req.params)
+            self._running[req.request_id] = seq
+
+    def _k_for(self, seq: _Seq, pending: int) -> int:
+        req = seq.req
+        if req.method == "none" or req.method not in self.proposers:
+            return 0
+        k = self.choose_k(self, req, seq.spec, len(self._running)) if self.choose_k else req.k
+        remaining = req.params.max_tokens - seq.generated
+        room = self.target.max_len - seq.cached - pending
+        return max(0, min(k, remaining - 1, room))
+
+    def _plan(self) -> tuple[list[TargetRow], dict[str, int], float]:
+        decode = [s for s in self._running.values() if s.cached >= s.prompt_len]
+        prefill = [s for s in self._running.values() if s.cached < s.prompt_len]
+        asks: dict[str, list[ProposeInput]] = collections.defaultdict(list)
+        for seq in decode:
+            seq.k_now = self._k_for(seq, len(seq.tokens) - seq.cached)
+            if seq.k_now:
+                asks[seq.req.method].append(
+                    ProposeInput(seq.req.request_id, seq.tokens, seq.k_now, seq.req.params))
+        t0 = time.perf_counter()
+        proposals = {}
+        for method, inputs in asks.items():
+            try:
+                got = self.proposers[method].propose(inputs)
+            except Exception:  # a failed proposer costs speed, never a request
+                log.exception("proposer %s failed; decoding plainly this round", method)
+                got = []
+            proposals.update({i.seq_id: p for i, p in zip(inputs, got, strict=False)})
+        t_draft = time.perf_counter() - t0
+        rows: list[TargetRow] = []
+        num_draft: dict[str, int] = {}
+        for seq in decode:
+            rid = seq.req.request_id
+            prop = proposals.get(rid)
+            guesses = prop.token_ids[: seq.k_now] if prop else []
+            probs = prop.probs[: len(guesses)] if prop and prop.probs is not None and guesses \
+                else None
+            num_draft[rid] = len(guesses)
+            rows.append(TargetRow(rid, seq.slot, seq.cached, seq.tokens[seq.cached:] + guesses,
+                                  len(guesses), probs, True))
+        budget = self.config.max_tokens_per_step - sum(len(r.tokens) for r in rows)
+        budget = max(budget, self.config.min_prefill_chunk)
+        for seq in prefill:
+            if budget <= 0:
+                break
+            chunk = seq.tokens[seq.cached: min(seq.prompt_len, seq.cached + budget)]
+            budget -= len(chunk)
+            done = seq.cached + len(chunk) == seq.prompt_len
+            rows.append(TargetRow(seq.req.request_id, seq.slot, seq.cached, chunk, 0, None, done))
+            if done:
+                seq.k_now = 0
+        return rows, num_draft, t_draft
+
+    def _advance(self, seq: _Seq, row: TargetRow, res: TargetResult) -> RequestOutput:
+        req = seq.req
+        seq.cached = row.start + len(row.tokens) - row.num_draft + res.num_accepted
+        proposer = self.proposers.get(req.method)
+        if proposer is not None and row.num_draft:
+            proposer.accepted(req.request_id, seq.cached)
+        seq.spec.record_round(row.num_draft, res.num_accepted, len(res.tokens))
+        self.totals[req.method if row.num_draft else "none"].record_round(
+            row.num_draft, res.num_accepted, len(res.tokens))
+        new = list(res.tokens)
+        reason = None
+        eos_at = next((j for j, t in enumerate(new)
+                       if t in self.eos_ids and not req.params.ignore_eos), None)
+        if eos_at is not None:
+            new, reason = new[: eos_at + 1], "stop"
+        remaining = req.params.max_tokens - seq.generated
+        if len(new) > remaining:  # a round can overshoot max_tokens: keep what was asked
+            new, reason = new[:remaining], "length"
+        elif len(new) == remaining and reason is None:
+            reason = "length"
+        if seq.detok is not None:
+            keep = seq.detok.add(new)
+            if keep is not None:
+                new, reason = new[:keep], "stop"
+        seq.tokens.extend(new)
+        if reason is not None:
+            return self._finish(seq, reason, new)
+        return self._output(seq, new, finished=False, reason=None)
+
+    def _output(self, seq: _Seq, new: list[int], finished: bool, reason, error=None):
+        text = seq.detok.text if seq.detok else ""
+        delta = seq.detok.delta(final=finished) if seq.detok else ""
+        out = RequestOutput(seq.req.request_id, new, delta, seq.tokens[seq.prompt_len:], text,
+                            finished, reason, seq.prompt_len, seq.spec, error, seq.k_now,
+                            seq.req.method)
+        if seq.req.on_output is not None:
+            seq.req.on_output(out)
+        return out
+
+    def _finish(self, seq: _Seq, reason, new: list[int] | None = None,
+                error: str | None = None) -> RequestOutput:
+        rid = seq.req.request_id
+        self._running.pop(rid, None)
+        self._free_slots.append(seq.slot)
+        self.target.end_sequence(rid)
+        for p in self.proposers.values():
+            p.release(rid)
+        return self._output(seq, new or [], finished=True, reason=reason, error=error)
+
+    # ---- convenience ----------------------------------------------------------------------
+
+    def run(self, requests: list[Request]) -> dict[str, RequestOutput]:
+        """Submit requests, step until all finish, return each one's final output."""
+        for r in requests:
+            self.add_request(r)
+        final: dict[str, RequestOutput] = {}
+        while self.has_work():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return final

@@ -1,0 +1,189 @@
+"""Proposers: whatever guesses the next k tokens cheaply.
+
+The rejection rule needs only the guessed tokens and, ideally, their probabilities q. A
+proposal without q (n-gram lookup, greedy draft) is verified with one-hot q, which is still
+exact. Plain decoding is "no proposer" (k = 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal, Protocol
+
+import numpy as np
+import torch
+
+from specdec.batch import BatchInput
+from specdec.model import Decoder
+from specdec.sampling import SamplingParams, make_generator, sample, warp_probs
+
+
+@dataclasses.dataclass
+class ProposeInput:
+    seq_id: str
+    context: list[int]   # the whole sequence so far: prompt and output
+    k: int
+    params: SamplingParams
+
+
+@dataclasses.dataclass
+class Proposal:
+    token_ids: list[int]                 # at most k guesses; may be empty
+    probs: torch.Tensor | None = None    # [len, V] q; None means one-hot q
+
+
+class Proposer(Protocol):
+    name: str
+
+    def propose(self, inputs: list[ProposeInput]) -> list[Proposal]: ...
+
+    def accepted(self, seq_id: str, valid_len: int) -> None:
+        """The first valid_len tokens of the sequence are final (drafts past them are not)."""
+
+    def release(self, seq_id: str) -> None: ...
+
+
+class NgramProposer:
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens
+    (n from max_n down to min_n) and propose what followed it."""
+
+    name = "ngram"
+
+    def __init__(self, min_n: int = 2, max_n: int = 5) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError("ngram sizes need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, inputs: list[ProposeInput]) -> list[Proposal]:
+        return [Proposal(self.lookup(i.context, i.k)) for i in inputs]
+
+    def lookup(self, context: list[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        arr = np.asarray(context, dtype=np.int64)
+        L = len(arr)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            pattern = arr[L - n:]
+            # Candidate starts s with a token after the match: s + n <= L - 1.
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)
+            hits = np.flatnonzero((windows == pattern).all(axis=1))
+            if hits.size:
+                s = int(hits[-1])
+                return arr[s + n: s + n + k].tolist()
+        return []
+
+    def accepted(self, seq_id: str, valid_len: int) -> None:
+        pass
+
+    def release(self, seq_id: str) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class _DraftSeq:
+    slot: int
+    cached: int                  # tokens of the sequence in the draft's KV cache
+    generator: torch.Generator
+
+
+class DraftModelProposer:
+    """A smaller model sharing the target's tokenizer, with its own KV slots.
+
+    sampling="probabilistic" samples each guess from the warped draft distribution and sends
+    q; "greedy" proposes the draft's argmax and sends only token ids (one-hot q).
+    """
+
+    name = "draft"
+
+    def __init__(self, model: Decoder, max_slots: int, max_len: int,
+                 sampling: Literal["probabilistic", "greedy"] = "probabilistic") -> None:
+        if sampling not in ("probabilistic", "greedy"):
+            raise ValueError("draft sampling must be 'probabilistic' or 'greedy'")
+        self.model = model
+        self.cache = model.new_cache(max_slots, max_len)
+        self.sampling = sampling
+        self.max_len = max_len
+        self._seqs: dict[str, _DraftSeq] = {}
+        self._free = list(range(max_slots - 1, -1, -1))
+
+    def _seq(self, inp: ProposeInput) -> _DraftSeq:
+        s = self._seqs.get(inp.seq_id)
+        if s is None:
+            if not self._free:
+                raise RuntimeError("draft has no free KV slot")
+            seed = None if inp.params.seed is None else inp.params.seed ^ 0x5EED
+            s = _DraftSeq(self._free.pop(), 0, make_generator(seed))
+            self._seqs[inp.seq_id] = s
+        return s
+
+    @torch.inference_mode()
+    def propose(self, inputs: list[ProposeInput]) -> list[Proposal]:
+        requested = inputs
+        inputs = [i for i in requested if i.k > 0]
+        out = {i.seq_id: Proposal([]) for i in requested}
+        if not inputs:
+            return [out[i.seq_id] for i in requested]
+        seqs = [self._seq(i) for i in inputs]
+        # Drafting uses the request's warp; a greedy draft proposes argmax (temperature 0).
+        dparams = [SamplingParams(temperature=0.0) if self.sampling == "greedy" else i.params
+                   for i in inputs]
+        tokens: list[list[int]] = [[] for _ in inputs]
+        qs: list[list[torch.Tensor]] = [[] for _ in inputs]
+        # Step 0 catches the cache up with the context (a prefill the first time, then the
+        # 1-2 tokens the target added last round); later steps feed one guess each.
+        rows = [(s.slot, s.cached, i.context[s.cached:]) for s, i in zip(seqs, inputs, strict=True)]
+        live = list(range(len(inputs)))
+        for step in range(max(i.k for i in inputs)):
+            logits = self.model(BatchInput.build(rows, self.model.device), self.cache)
+            probs = warp_probs(logits, [dparams[b] for b in live])
+            picks = sample(probs, [seqs[b].generator for b in live]).tolist()
+            next_rows, next_live = [], []
+            for j, b in enumerate(live):
+                tokens[b].append(picks[j])
+                qs[b].append(probs[j])
+                if step + 1 < inputs[b].k:
+                    pos = len(inputs[b].context) + step
+                    next_rows.append((seqs[b].slot, pos, [picks[j]]))
+                    next_live.append(b)
+            rows, live = next_rows, next_live
+            if not live:
+                break
+        for b, (inp, s) in enumerate(zip(inputs, seqs, strict=True)):
+            # The last guess was never fed back, so the cache holds context + k - 1 tokens.
+            s.cached = len(inp.context) + len(tokens[b]) - 1
+            one_hot = self.sampling == "greedy" or inp.params.greedy
+            out[inp.seq_id] = Proposal(tokens[b], None if one_hot else torch.stack(qs[b]))
+        return [out[i.seq_id] for i in requested]
+
+    def accepted(self, seq_id: str, valid_len: int) -> None:
+        s = self._seqs.get(seq_id)
+        if s is not None:
+            s.cached = min(s.cached, valid_len)  # O(1) rollback: overwrite from here next time
+
+    def release(self, seq_id: str) -> None:
+        s = self._seqs.pop(seq_id, None)
+        if s is not None:
+            self._free.append(s.slot)
+
+
+class IncompatibleDraft(ValueError):
+    pass
+
+
+def check_same_tokenizer(target_path: str | Path, draft_path: str | Path) -> None:
+    """Refuse a draft whose tokenizer differs from the target's: its token ids would mean
+    other strings, and every guess would be verified against the wrong token."""
+    from transformers import AutoTokenizer
+
+    t = AutoTokenizer.from_pretrained(str(target_path))
+    d = AutoTokenizer.from_pretrained(str(draft_path))
+    tv, dv = t.get_vocab(), d.get_vocab()
+    if tv != dv:
+        only_t = len(set(tv.items()) - set(dv.items()))
+        only_d = len(set(dv.items()) - set(tv.items()))
+        raise IncompatibleDraft(
+            f"draft tokenizer differs from the target's ({len(dv)} vs {len(tv)} tokens; "
+            f"{only_t} target and {only_d} draft entries have no match): use a draft from "
+            "the target's model family, or the ngram method"
+        )

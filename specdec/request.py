@@ -1,0 +1,47 @@
+"""What a caller hands the engine and what it gets back."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Literal
+
+from specdec.metrics import SpecCounters
+from specdec.sampling import SamplingParams
+
+Method = Literal["draft", "ngram", "none"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    method: Method = "none"
+    k: int = 0                       # draft tokens per round; 0 = plain decoding
+    on_output: Callable[[RequestOutput], None] | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    spec: SpecCounters
+    error: str | None = None
+    k: int = 0                       # the k used for the latest round
+    method: Method = "none"
+
+
+class EngineError(RuntimeError):
+    """A request the engine cannot take (the message names the limit)."""
+
+
+class CapacityError(EngineError):
+    pass

@@ -1,0 +1,63 @@
+"""Incremental detokenization with stop strings.
+
+The whole output is decoded each step (outputs are short next to the model's cost), stop
+strings are searched in the new part, and text that might still turn into a stop string or
+is an incomplete UTF-8 sequence is held back from the stream until it is settled.
+"""
+
+from __future__ import annotations
+
+
+class Detokenizer:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0  # characters of text already streamed
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, new_ids: list[int]) -> int | None:
+        """Append tokens. If a stop string completes, cut the text before it and return how
+        many of new_ids to keep (the tokens up to the one that completed it); else None."""
+        before = len(self.text)
+        self.ids.extend(new_ids)
+        self.text = self._decode(self.ids)
+        if not self.stop:
+            return None
+        longest = max(len(s) for s in self.stop)
+        start = max(0, before - longest + 1)
+        hit = self._find_stop(self.text, start)
+        if hit is None:
+            return None
+        base = len(self.ids) - len(new_ids)
+        keep = len(new_ids)
+        for j in range(1, len(new_ids) + 1):  # fewest new tokens whose text holds the stop
+            if self._find_stop(self._decode(self.ids[: base + j]), start) is not None:
+                keep = j
+                break
+        self.ids = self.ids[: base + keep]
+        self.text = self.text[:hit]
+        return keep
+
+    def _find_stop(self, text: str, start: int) -> int | None:
+        found = [i for s in self.stop if (i := text.find(s, start)) >= 0]
+        return min(found) if found else None
+
+    def delta(self, final: bool) -> str:
+        """Text not streamed yet; while not final, hold back a possible stop-string prefix
+        and a trailing replacement character (a multi-byte character cut in half)."""
+        end = len(self.text)
+        if not final:
+            while end > self.sent and self.text[end - 1] == "\ufffd":
+                end -= 1
+            for s in self.stop:
+                for n in range(min(len(s) - 1, end - self.sent), 0, -1):
+                    if self.text[end - n:end] == s[:n]:
+                        end -= n
+                        break
+        out = self.text[self.sent:end]
+        self.sent = end
+        return out

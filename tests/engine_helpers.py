@@ -1,0 +1,43 @@
+"""Builders shared by the engine tests (tiny fixture models, no tokenizer)."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.engine import Engine, EngineConfig
+from specdec.model import Decoder
+from specdec.proposers import DraftModelProposer, NgramProposer
+from specdec.request import Request
+from specdec.sampling import SamplingParams
+from specdec.target_runner import LocalTargetRunner
+
+_MODELS: dict = {}
+
+
+def load(path) -> Decoder:
+    if path not in _MODELS:
+        _MODELS[path] = Decoder.from_checkpoint(path, torch.float32)
+    return _MODELS[path]
+
+
+def make_engine(target_path, draft_path=None, slots=8, max_len=192,
+                draft_sampling="probabilistic", eos_ids=(), tokenizer=None,
+                config: EngineConfig | None = None) -> Engine:
+    proposers = {"ngram": NgramProposer(1, 3)}
+    if draft_path is not None:
+        proposers["draft"] = DraftModelProposer(load(draft_path), slots, max_len, draft_sampling)
+    return Engine(LocalTargetRunner(load(target_path), slots, max_len), proposers,
+                  tokenizer, eos_ids, config)
+
+
+def random_prompts(lengths, seed=0, vocab=96) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def greedy(max_tokens=24, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def requests(prompts, params, method="none", k=0, prefix="r") -> list[Request]:
+    return [Request(f"{prefix}{i}", p, params, method, k) for i, p in enumerate(prompts)]

@@ -1,0 +1,141 @@
+"""Speculative decoding through the engine gives the target's output: token-identical under
+greedy decoding, the same distribution under sampling (fp32, tiny fixture models)."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+from engine_helpers import greedy, make_engine, random_prompts, requests
+from scipy.stats import chi2_contingency
+
+from specdec.engine import EngineConfig
+from specdec.generate import plain_generate
+from specdec.request import Request
+from specdec.sampling import SamplingParams
+
+PROMPT_LENGTHS = (5, 9, 14, 3)
+BIG_QUEUE = EngineConfig(max_waiting=10**5)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def pair(request, tiny_llama, tiny_llama_draft, tiny_qwen2, tiny_qwen2_draft):
+    return (tiny_llama, tiny_llama_draft) if request.param == "llama" else \
+        (tiny_qwen2, tiny_qwen2_draft)
+
+
+def plain_reference(target, prompts, max_tokens=24):
+    from engine_helpers import load
+
+    return plain_generate(load(target), prompts, greedy(max_tokens)).token_ids
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("draft_sampling", ["probabilistic", "greedy"])
+def test_greedy_draft_speculation_is_token_identical(pair, k, draft_sampling):
+    target, draft = pair
+    prompts = random_prompts(PROMPT_LENGTHS, seed=k)
+    expected = plain_reference(target, prompts)
+    engine = make_engine(target, draft, draft_sampling=draft_sampling)
+    out = engine.run(requests(prompts, greedy(), "draft", k))
+    for i, e in enumerate(expected):
+        assert out[f"r{i}"].token_ids == e, f"prompt {i}, k={k}"
+    spec = engine.totals["draft"]
+    assert spec.rounds > 0 and spec.accepted > 0, "no draft token was ever kept: weak test"
+    assert spec.accepted < spec.drafted, "every draft token was kept: rejections untested"
+
+
+def test_ngram_speculation_is_token_identical(pair):
+    target, _ = pair
+    # Repetitive prompts so prompt lookup finds matches.
+    base = random_prompts((6, 4), seed=3)
+    prompts = [base[0] * 3, base[1] * 4 + base[0]]
+    expected = plain_reference(target, prompts, 32)
+    engine = make_engine(target)
+    out = engine.run(requests(prompts, greedy(32), "ngram", 3))
+    for i, e in enumerate(expected):
+        assert out[f"r{i}"].token_ids == e
+    assert engine.totals["ngram"].rounds > 0
+
+
+def test_mixed_batch_plain_draft_ngram_at_once(pair):
+    target, draft = pair
+    prompts = random_prompts((4, 8, 12, 6, 10, 7), seed=11)
+    expected = plain_reference(target, prompts)
+    engine = make_engine(target, draft, slots=4)  # fewer slots than requests: queueing too
+    methods = [("none", 0), ("draft", 3), ("ngram", 2), ("draft", 5), ("none", 0), ("draft", 1)]
+    reqs = [Request(f"r{i}", p, greedy(), m, k)
+            for i, (p, (m, k)) in enumerate(zip(prompts, methods, strict=True))]
+    out = engine.run(reqs)
+    for i, e in enumerate(expected):
+        assert out[f"r{i}"].token_ids == e, f"request {i} ({methods[i]})"
+
+
+def first_three_counts(engine_factory, method, k, n, temperature, seed0):
+    engine = engine_factory()
+    prompt = [5, 17, 33, 8]
+    # max_tokens 4: the first token comes from the prefill, tokens 2-3 from one round of
+    # k = 2 drafts (its bonus token is the 4th, not compared).
+    reqs = [Request(f"s{i}", prompt, SamplingParams(temperature=temperature, max_tokens=4,
+                                                    ignore_eos=True, seed=seed0 + i), method, k)
+            for i in range(n)]
+    outs = engine.run(reqs)
+    return collections.Counter(tuple(o.token_ids[:3]) for o in outs.values()), engine
+
+
+def contingency_pvalue(a: collections.Counter, b: collections.Counter) -> float:
+    keys = sorted(set(a) | set(b))
+    table = np.array([[a.get(x, 0) for x in keys], [b.get(x, 0) for x in keys]], dtype=float)
+    # Pool sparse categories (expected count < 5) into one, where chi-square is valid.
+    total = table.sum(0)
+    expected_min = total * min(table.sum(1)) / table.sum()
+    rare = expected_min < 5
+    if rare.any():
+        table = np.concatenate([table[:, ~rare], table[:, rare].sum(1, keepdims=True)], axis=1)
+    return chi2_contingency(table).pvalue
+
+
+@pytest.mark.parametrize("draft_sampling,temperature", [("probabilistic", 1.0),
+                                                         ("greedy", 0.8)])
+def test_sampled_first_three_tokens_follow_plain_distribution(tiny_llama, tiny_llama_draft,
+                                                              draft_sampling, temperature):
+    n = 3000
+
+    def factory():
+        return make_engine(tiny_llama, tiny_llama_draft, slots=64, max_len=16,
+                           draft_sampling=draft_sampling, config=BIG_QUEUE)
+
+    plain, _ = first_three_counts(factory, "none", 0, n, temperature, 0)
+    spec, engine = first_three_counts(factory, "draft", 2, n, temperature, 10**6)
+    spec_totals = engine.totals["draft"]
+    assert spec_totals.accepted > 0.05 * spec_totals.drafted
+    assert len(spec_totals.accepted_per_position) == 2 and spec_totals.accepted_per_position[1]
+    assert contingency_pvalue(plain, spec) > 1e-3
+    # Marginals per position too (more power per position than the sparse joint).
+    for j in range(3):
+        pm = collections.Counter()
+        sm = collections.Counter()
+        for c, src in ((pm, plain), (sm, spec)):
+            for toks, cnt in src.items():
+                c[toks[j]] += cnt
+        assert contingency_pvalue(pm, sm) > 1e-3, f"position {j}"
+
+
+def test_contingency_check_catches_the_draft_distribution(tiny_llama, tiny_llama_draft):
+    """The same check tells the target's sampling from the draft's: it has power."""
+    n = 3000
+
+    def target_engine():
+        return make_engine(tiny_llama, slots=64, max_len=16, config=BIG_QUEUE)
+
+    def draft_as_target():
+        return make_engine(tiny_llama_draft, slots=64, max_len=16, config=BIG_QUEUE)
+
+    a, _ = first_three_counts(target_engine, "none", 0, n, 1.0, 0)
+    b, _ = first_three_counts(draft_as_target, "none", 0, n, 1.0, 10**6)
+    pooled = [collections.Counter() for _ in range(2)]
+    for c, src in zip(pooled, (a, b), strict=True):
+        for toks, cnt in src.items():
+            c[toks[0]] += cnt
+    assert contingency_pvalue(*pooled) < 1e-3
