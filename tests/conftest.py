@@ -69,6 +69,12 @@ def tiny_llama_draft(tmp_path_factory, tiny_llama) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_far_draft(tmp_path_factory, tiny_llama) -> Path:
+    """Agrees with the target less: rejections are common, so sampling tests have power."""
+    return make_perturbed_copy(tiny_llama, tmp_path_factory.mktemp("tiny-llama-far"), 0.2, 3)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_draft(tmp_path_factory, tiny_qwen2) -> Path:
     return make_perturbed_copy(tiny_qwen2, tmp_path_factory.mktemp("tiny-qwen2-draft"), 0.05, 2)
 
