@@ -42,6 +42,12 @@ def _bench_core(args) -> int:
     return bench_core(args)
 
 
+def _bench_decode(args) -> int:
+    from specdec.bench.decode import main as bench_decode
+
+    return bench_decode(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -58,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("--target", required=True, help="pack name, checkpoint dir or hub id")
+    g.add_argument("--draft", default=None, help="draft model (same tokenizer as the target)")
+    g.add_argument("--method", choices=["draft", "ngram", "none"], default=None,
+                   help="speculation method (default: draft if --draft is given, else none)")
+    g.add_argument("--k", type=int, default=4, help="draft tokens per round")
+    g.add_argument("--max-len", type=int, default=2048, help="context limit (KV slot size)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--max-tokens", type=int, default=64)
@@ -78,6 +89,22 @@ def build_parser() -> argparse.ArgumentParser:
     b_core.add_argument("--repeats", type=int, default=3)
     b_core.add_argument("--json", metavar="PATH", default=None)
     b_core.set_defaults(func=_bench_core)
+    b_dec = bench.add_parser("decode", help="speculative vs plain, ours vs transformers")
+    b_dec.add_argument("--target", default="qwen2.5-coder-1.5b")
+    b_dec.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    b_dec.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    b_dec.add_argument("--max-tokens", type=int, default=128)
+    b_dec.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5, 6])
+    b_dec.add_argument("--ngram-k", type=int, default=4)
+    b_dec.add_argument("--batch", type=int, default=1)
+    b_dec.add_argument("--draft-vocab-limit", type=int, default=None,
+                       help="the draft guesses only among the first N token ids")
+    b_dec.add_argument("--sets", nargs="+", default=["code", "prose", "chat_code"])
+    b_dec.add_argument("--prompts-per-set", type=int, default=2)
+    b_dec.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    b_dec.add_argument("--costs", action="store_true", help="also measure c and v")
+    b_dec.add_argument("--json", metavar="PATH", default=None)
+    b_dec.set_defaults(func=_bench_decode)
     return p
 
 

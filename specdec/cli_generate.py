@@ -1,19 +1,27 @@
-"""`specdec generate`: one prompt through the model core, as text or a JSON record."""
+"""`specdec generate`: one prompt through the engine, as text or a JSON record."""
 
 from __future__ import annotations
 
 import json
 import time
 
-from specdec import hub
-from specdec.generate import dtype_from_name, load_tokenizer, plain_generate
-from specdec.model import Decoder
+from specdec.build import LocalEngineSpec, build_local_engine
+from specdec.request import Request
 from specdec.sampling import SamplingParams
 
 
 def run_generate(args) -> int:
-    path = hub.resolve(args.target)
-    tok = load_tokenizer(path)
+    method = args.method or ("draft" if args.draft else "none")
+    if method == "draft" and not args.draft:
+        raise ValueError("--method draft needs --draft MODEL")
+    k = args.k if method != "none" else 0
+    if method != "none" and k < 1:
+        raise ValueError("--k must be >= 1 for speculative methods")
+    t0 = time.perf_counter()
+    engine, tok = build_local_engine(LocalEngineSpec(
+        target=args.target, draft=args.draft if method == "draft" else None, dtype=args.dtype,
+        max_slots=1, max_len=args.max_len))
+    load_s = time.perf_counter() - t0
     if args.chat:
         prompt_ids = tok.apply_chat_template(
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True,
@@ -22,20 +30,24 @@ def run_generate(args) -> int:
         prompt_ids = tok(args.prompt).input_ids
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
+
+    def stream(out):
+        if not args.json:
+            print(out.new_text, end="", flush=True)
+
     t0 = time.perf_counter()
-    model = Decoder.from_checkpoint(path, dtype_from_name(args.dtype))
-    load_s = time.perf_counter() - t0
-    res = plain_generate(model, [prompt_ids], params)
-    ids = res.token_ids[0]
-    text = tok.decode(ids, skip_special_tokens=True)
+    out = engine.run([Request("cli", prompt_ids, params, method, k, stream)])["cli"]
+    elapsed = time.perf_counter() - t0
     if args.json:
         print(json.dumps({
-            "target": str(path), "method": "none", "dtype": args.dtype,
-            "prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
-            "text": text, "token_ids": ids,
-            "load_s": round(load_s, 3), "prefill_s": round(res.prefill_s, 4),
-            "decode_s": round(res.decode_s, 4), "tokens_per_s": round(res.tokens_per_s, 2),
+            "target": args.target, "draft": args.draft, "method": method, "k": k,
+            "dtype": args.dtype, "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(out.token_ids), "finish_reason": out.finish_reason,
+            "text": out.text, "token_ids": out.token_ids, "load_s": round(load_s, 3),
+            "elapsed_s": round(elapsed, 4),
+            "tokens_per_s": round(len(out.token_ids) / elapsed, 2) if elapsed else None,
+            "spec_decode": out.spec.as_dict(),
         }))
     else:
-        print(text)
+        print()
     return 0

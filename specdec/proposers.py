@@ -7,6 +7,7 @@ exact. Plain decoding is "no proposer" (k = 0).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 from typing import Literal, Protocol
@@ -97,9 +98,18 @@ class DraftModelProposer:
     name = "draft"
 
     def __init__(self, model: Decoder, max_slots: int, max_len: int,
-                 sampling: Literal["probabilistic", "greedy"] = "probabilistic") -> None:
+                 sampling: Literal["probabilistic", "greedy"] = "probabilistic",
+                 vocab_limit: int | None = None) -> None:
         if sampling not in ("probabilistic", "greedy"):
             raise ValueError("draft sampling must be 'probabilistic' or 'greedy'")
+        if vocab_limit is not None:
+            if not 0 < vocab_limit <= model.cfg.vocab_size:
+                raise ValueError(f"draft vocab_limit must be in 1..{model.cfg.vocab_size}")
+            # Slice the projection once, on a shallow copy (the layers stay shared): the
+            # draft then only scores the kept ids.
+            model = copy.copy(model)
+            model.lm_head = model.lm_head[:vocab_limit].contiguous()
+        self.vocab_limit = vocab_limit
         self.model = model
         self.cache = model.new_cache(max_slots, max_len)
         self.sampling = sampling
@@ -136,12 +146,20 @@ class DraftModelProposer:
         live = list(range(len(inputs)))
         for step in range(max(i.k for i in inputs)):
             logits = self.model(BatchInput.build(rows, self.model.device), self.cache)
-            probs = warp_probs(logits, [dparams[b] for b in live])
-            picks = sample(probs, [seqs[b].generator for b in live]).tolist()
+            if self.vocab_limit is not None:
+                # Guesses only from the first vocab_limit ids (q is zero elsewhere): exact
+                # still, and the draft's vocabulary projection shrinks accordingly.
+                logits = logits[:, : self.vocab_limit]
+            if all(dparams[b].greedy for b in live):
+                picks, probs = logits.argmax(-1).tolist(), None  # one-hot q: ids suffice
+            else:
+                probs = warp_probs(logits, [dparams[b] for b in live])
+                picks = sample(probs, [seqs[b].generator for b in live]).tolist()
             next_rows, next_live = [], []
             for j, b in enumerate(live):
                 tokens[b].append(picks[j])
-                qs[b].append(probs[j])
+                if probs is not None:
+                    qs[b].append(probs[j])
                 if step + 1 < inputs[b].k:
                     pos = len(inputs[b].context) + step
                     next_rows.append((seqs[b].slot, pos, [picks[j]]))
@@ -152,7 +170,7 @@ class DraftModelProposer:
         for b, (inp, s) in enumerate(zip(inputs, seqs, strict=True)):
             # The last guess was never fed back, so the cache holds context + k - 1 tokens.
             s.cached = len(inp.context) + len(tokens[b]) - 1
-            one_hot = self.sampling == "greedy" or inp.params.greedy
+            one_hot = self.sampling == "greedy" or inp.params.greedy or not qs[b]
             out[inp.seq_id] = Proposal(tokens[b], None if one_hot else torch.stack(qs[b]))
         return [out[i.seq_id] for i in requested]
 

@@ -66,7 +66,27 @@ def verify_step(model: Decoder, cache: KVCache, rows: list[TargetRow],
     logits = model(batch, cache, torch.tensor(idx, dtype=torch.long, device=model.device))
     if not sampled:
         return []
-    return _sample_rows([rows[i] for i in sampled], logits, params, generators)
+    chosen = [rows[i] for i in sampled]
+    if all(params[r.seq_id].greedy for r in chosen):
+        return _greedy_rows(chosen, logits)
+    return _sample_rows(chosen, logits, params, generators)
+
+
+def _greedy_rows(rows: list[TargetRow], logits: torch.Tensor) -> list[TargetResult]:
+    """All-greedy batches need only the argmax: the same rule as the sampler's greedy path,
+    without building probability tensors over the vocabulary."""
+    best = logits.argmax(-1).tolist()
+    out, off = [], 0
+    for r in rows:
+        n = r.num_draft
+        guesses = r.tokens[len(r.tokens) - n:] if n else []
+        target = best[off: off + n + 1]
+        off += n + 1
+        kept = 0
+        while kept < n and guesses[kept] == target[kept]:
+            kept += 1
+        out.append(TargetResult(r.seq_id, guesses[:kept] + [target[kept]], kept))
+    return out
 
 
 def _sample_rows(rows: list[TargetRow], logits: torch.Tensor,

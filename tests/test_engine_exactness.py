@@ -46,6 +46,18 @@ def test_greedy_draft_speculation_is_token_identical(pair, k, draft_sampling):
     assert spec.accepted < spec.drafted, "every draft token was kept: rejections untested"
 
 
+def test_draft_with_a_limited_vocabulary_stays_exact(pair):
+    target, draft = pair
+    prompts = random_prompts(PROMPT_LENGTHS, seed=21)
+    expected = plain_reference(target, prompts)
+    for sampling in ("probabilistic", "greedy"):
+        engine = make_engine(target, draft, draft_sampling=sampling, draft_vocab_limit=60)
+        out = engine.run(requests(prompts, greedy(), "draft", 3))
+        for i, e in enumerate(expected):
+            assert out[f"r{i}"].token_ids == e
+        assert engine.totals["draft"].accepted > 0
+
+
 def test_ngram_speculation_is_token_identical(pair):
     target, _ = pair
     # Repetitive prompts so prompt lookup finds matches.
@@ -102,15 +114,17 @@ def contingency_pvalue(a: collections.Counter, b: collections.Counter) -> float:
     # One-hot q from a greedy draft: the close draft keeps acceptance reasonable.
     ("greedy", 0.8, "tiny_llama_draft"),
 ])
+@pytest.mark.parametrize("vocab_limit", [None, 60])
 def test_sampled_first_three_tokens_follow_plain_distribution(tiny_llama, draft_sampling,
                                                               temperature, draft_fixture,
-                                                              request):
+                                                              vocab_limit, request):
     n = 4000
     draft = request.getfixturevalue(draft_fixture)
 
     def factory():
         return make_engine(tiny_llama, draft, slots=64, max_len=16,
-                           draft_sampling=draft_sampling, config=BIG_QUEUE)
+                           draft_sampling=draft_sampling, config=BIG_QUEUE,
+                           draft_vocab_limit=vocab_limit)
 
     plain, _ = first_three_counts(factory, "none", 0, n, temperature, 0)
     spec, engine = first_three_counts(factory, "draft", 2, n, temperature, 10**6)
@@ -145,3 +159,15 @@ def test_contingency_check_catches_the_draft_distribution(tiny_llama, tiny_llama
         for toks, cnt in src.items():
             c[toks[0]] += cnt
     assert contingency_pvalue(*pooled) < 1e-3
+
+
+def test_greedy_rows_stay_exact_next_to_sampled_rows(pair):
+    target, draft = pair
+    prompts = random_prompts((5, 9, 7, 6), seed=31)
+    expected = plain_reference(target, prompts[:2])
+    engine = make_engine(target, draft)
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, ignore_eos=True, seed=3)
+    reqs = requests(prompts[:2], greedy(), "draft", 4) + \
+        [Request(f"s{i}", p, sampled, "draft", 3) for i, p in enumerate(prompts[2:])]
+    out = engine.run(reqs)
+    assert [out["r0"].token_ids, out["r1"].token_ids] == expected

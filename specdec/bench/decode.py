@@ -1,0 +1,152 @@
+"""`specdec bench decode`: speculative vs plain decoding, ours and transformers', one run.
+
+Rows per prompt set: HF plain generate, HF assisted generation (the draft as
+assistant_model, num_assistant_tokens=4, constant schedule), our plain, our draft-model
+speculation at each k, our n-gram speculation. Tokens/s is the median over the set's
+prompts; speedups are against our plain and HF plain measured in the same run. With
+--batch N our methods run N requests at once (N copies of each prompt); HF rows stay batch 1.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+
+from specdec import hub
+from specdec.bench.prompts import PROMPT_SETS
+from specdec.bench.table import median, print_table, write_json
+from specdec.build import LocalEngineSpec, build_local_engine
+from specdec.generate import dtype_from_name
+from specdec.progress import Progress
+from specdec.request import Request
+from specdec.sampling import SamplingParams
+
+
+def _chat_ids(tok, text: str, chat: bool) -> list[int]:
+    if chat:
+        return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                       add_generation_prompt=True, return_dict=False)
+    return tok(text).input_ids
+
+
+def _hf_rows(args, sets, progress) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    dtype = dtype_from_name(args.dtype)
+    target = AutoModelForCausalLM.from_pretrained(hub.resolve(args.target), dtype=dtype)
+    draft = AutoModelForCausalLM.from_pretrained(hub.resolve(args.draft), dtype=dtype)
+    draft.generation_config.num_assistant_tokens = 4
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    rows = []
+    for name, prompts in sets.items():
+        for method, extra in (("hf_plain", {}), ("hf_assisted", {"assistant_model": draft})):
+            rates = []
+            for ids in prompts:
+                x = torch.tensor([ids])
+                t = time.perf_counter()
+                out = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                      max_new_tokens=args.max_tokens, **extra)
+                rates.append((out.shape[1] - x.shape[1]) / (time.perf_counter() - t))
+                progress.advance()
+            rows.append({"method": method, "k": 4 if extra else 0, "prompt_set": name,
+                         "batch": 1, "tokens_per_s": median(rates),
+                         "mean_acceptance_length": None})
+    del target, draft
+    gc.collect()
+    return rows
+
+
+def _our_rows(args, sets, progress) -> list[dict]:
+    engine, _ = build_local_engine(LocalEngineSpec(
+        target=args.target, draft=args.draft, dtype=args.dtype, max_slots=max(args.batch, 1),
+        max_len=2048, draft_sampling="greedy", draft_vocab_limit=args.draft_vocab_limit))
+    configs = [("plain", "none", 0)] + [("draft", "draft", k) for k in args.k] + \
+        [("ngram", "ngram", args.ngram_k)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    # Warm-up: first calls pay for allocations and kernel selection.
+    engine.run([Request("warm", sets[next(iter(sets))][0], SamplingParams(
+        temperature=0.0, max_tokens=8, ignore_eos=True), "draft", 2)])
+    rows = []
+    for name, prompts in sets.items():
+        for label, method, k in configs:
+            rates, mal = [], []
+            for i, ids in enumerate(prompts):
+                reqs = [Request(f"{name}-{i}-{b}", ids, params, method, k)
+                        for b in range(args.batch)]
+                before = engine.totals[method].rounds, engine.totals[method].accepted
+                t = time.perf_counter()
+                outs = engine.run(reqs)
+                n = sum(len(o.token_ids) for o in outs.values())
+                rates.append(n / (time.perf_counter() - t))
+                rounds = engine.totals[method].rounds - before[0]
+                if method != "none" and rounds:
+                    mal.append(1 + (engine.totals[method].accepted - before[1]) / rounds)
+                progress.advance()
+            rows.append({"method": label, "k": k, "prompt_set": name, "batch": args.batch,
+                         "tokens_per_s": median(rates),
+                         "mean_acceptance_length": median(mal) if mal else None})
+    return rows
+
+
+def measure_costs(args) -> dict:
+    """c (draft step / target step) and v (verify of k+1 tokens / plain step), batch 1."""
+    from specdec.batch import BatchInput
+    from specdec.model import Decoder
+
+    dtype = dtype_from_name(args.dtype)
+    out = {}
+    for role, ref in (("target", args.target), ("draft", args.draft)):
+        m = Decoder.from_checkpoint(hub.resolve(ref), dtype)
+        if role == "draft" and args.draft_vocab_limit:
+            m.lm_head = m.lm_head[: args.draft_vocab_limit].contiguous()
+        cache = m.new_cache(1, 512)
+        m(BatchInput.build([(0, 0, list(range(100, 300)))]), cache)
+        times = {}
+        for n in (1, 5):
+            ts = []
+            for _ in range(5):
+                t = time.perf_counter()
+                m(BatchInput.build([(0, 200, list(range(300, 300 + n)))]), cache,
+                  torch.arange(n))
+                ts.append(time.perf_counter() - t)
+            times[n] = median(ts)
+        out[role] = times
+        del m
+        gc.collect()
+    return {"c": out["draft"][1] / out["target"][1], "v_k4": out["target"][5] / out["target"][1],
+            "target_step_ms": 1000 * out["target"][1], "draft_step_ms": 1000 * out["draft"][1]}
+
+
+def main(args) -> int:
+    from specdec.generate import load_tokenizer
+
+    tok = load_tokenizer(hub.resolve(args.target))
+    sets = {name: [_chat_ids(tok, p, chat) for p in prompts[: args.prompts_per_set]]
+            for name, (chat, prompts) in PROMPT_SETS.items() if name in args.sets}
+    n_prompts = sum(len(v) for v in sets.values())
+    runs = n_prompts * (len(args.k) + 2) + (0 if args.no_hf else 2 * n_prompts)
+    progress = Progress("bench decode", total=runs, unit=" runs")
+    rows = [] if args.no_hf else _hf_rows(args, sets, progress)
+    rows += _our_rows(args, sets, progress)
+    progress.close()
+    for name in sets:
+        base = {r["method"]: r["tokens_per_s"] for r in rows if r["prompt_set"] == name}
+        for r in rows:
+            if r["prompt_set"] == name:
+                r["speedup_vs_our_plain"] = r["tokens_per_s"] / base["plain"]
+                if "hf_plain" in base:
+                    r["speedup_vs_hf_plain"] = r["tokens_per_s"] / base["hf_plain"]
+                if "hf_assisted" in base:
+                    r["speedup_vs_hf_assisted"] = r["tokens_per_s"] / base["hf_assisted"]
+    cols = ["prompt_set", "method", "k", "batch", "tokens_per_s", "mean_acceptance_length",
+            "speedup_vs_our_plain", "speedup_vs_hf_plain", "speedup_vs_hf_assisted"]
+    print_table(rows, cols, title=f"{args.target} + {args.draft}, {args.dtype}, "
+                                  f"{args.max_tokens} new tokens, greedy, medians")
+    if args.costs:
+        costs = measure_costs(args)
+        print_table([costs], list(costs), title="cost ratios (batch 1, context 200)")
+    write_json(args.json, rows)
+    return 0
