@@ -88,7 +88,9 @@ class Decoder:
     @classmethod
     def from_checkpoint(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu",
-                        shard: ShardSpec | None = None) -> Decoder:
+                        shard: ShardSpec | None = None, with_lm_head: bool = True) -> Decoder:
+        """with_lm_head=False skips the vocabulary projection (tensor-parallel followers
+        never compute logits, so they need not hold it)."""
         cfg = DecoderConfig.from_checkpoint(path)
         shard = shard or ShardSpec()
         shard.check(cfg)
@@ -130,7 +132,9 @@ class Decoder:
             layers.append(Layer(w, len(qh), len(kvh), shard.kv_index_of_local_q(cfg), D,
                                 cfg.rms_norm_eps))
         embed = get("model.embed_tokens.weight")
-        if cfg.tie_word_embeddings or not ck.has("lm_head.weight"):
+        if not with_lm_head:
+            lm_head = embed.new_empty(0, cfg.hidden_size)
+        elif cfg.tie_word_embeddings or not ck.has("lm_head.weight"):
             lm_head = embed
         else:
             lm_head = get("lm_head.weight")

@@ -1,0 +1,138 @@
+"""Tensor parallelism over torch.distributed (gloo on CPU, NCCL on GPU).
+
+Every rank holds a `Decoder` built from its own slice of the checkpoint (see sharding.py)
+and a KV cache for its own heads. Rank 0 leads: each forward it broadcasts the batch
+description (slots, start positions, new tokens) to the followers over a CPU (gloo) control
+group, then all ranks run the forward together, meeting in one all_reduce after attention
+and one after the MLP. Only rank 0 computes logits (the vocabulary projection is loaded on
+rank 0 alone); followers never see sampling, and nothing but tokens leaves rank 0.
+
+`LeaderDecoder` looks like a `Decoder` to whoever drives rank 0 (the target runner, the
+draft proposer), so the engine code is the same for one process and for N.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from specdec.batch import BatchInput
+from specdec.kv_cache import KVCache
+from specdec.model import Decoder
+
+_STEP, _STOP = 1, 2
+
+
+def pick_backend(device: torch.device | str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+# Followers wait on the control group between requests, possibly for days: its timeout
+# must not fire while the service is merely idle. A dead leader is handled by tearing the
+# whole group down (the engine replaces every rank), not by this timeout.
+_IDLE_TIMEOUT = datetime.timedelta(days=7)
+
+
+class Group:
+    """The process groups of one tensor-parallel model: `compute` carries the all_reduces
+    (NCCL on GPUs) under a short timeout, so a lost rank fails a step quickly; `control`
+    carries the leader's per-step broadcast (gloo, CPU tensors, so metadata never needs a
+    device copy) under a timeout long enough for idle periods."""
+
+    def __init__(self, rank: int, world: int, init_method: str, device: torch.device | str,
+                 timeout_s: float) -> None:
+        backend = pick_backend(device)
+        dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        self.rank, self.world, self.backend = rank, world, backend
+        self.compute = dist.group.WORLD
+        self.control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+
+    def all_reduce_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        group = self.compute
+
+        def all_reduce(x: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(x, group=group)
+            return x
+
+        return all_reduce
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def encode_batch(batch: BatchInput) -> torch.Tensor:
+    """[B, slots.., starts.., lens.., tokens..] as one int64 tensor."""
+    head = torch.tensor([batch.num_rows], dtype=torch.long)
+    return torch.cat([head, batch.slots.cpu(), torch.tensor(batch.starts, dtype=torch.long),
+                      torch.tensor(batch.query_lens, dtype=torch.long),
+                      batch.token_ids.cpu()])
+
+
+def decode_batch(payload: torch.Tensor, device) -> BatchInput:
+    b = int(payload[0])
+    slots, starts, lens = payload[1:1 + b], payload[1 + b:1 + 2 * b], payload[1 + 2 * b:1 + 3 * b]
+    toks = payload[1 + 3 * b:].tolist()
+    rows, off = [], 0
+    for s, st, n in zip(slots.tolist(), starts.tolist(), lens.tolist(), strict=True):
+        rows.append((s, st, toks[off:off + n]))
+        off += n
+    return BatchInput.build(rows, device)
+
+
+class LeaderDecoder:
+    """Rank 0's handle on the whole tensor-parallel model; called like a Decoder."""
+
+    def __init__(self, local: Decoder, group: Group, cache: KVCache) -> None:
+        self.local, self.group, self.cache = local, group, cache
+        self.cfg, self.device, self.dtype = local.cfg, local.device, local.dtype
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.local.lm_head
+
+    @lm_head.setter
+    def lm_head(self, value: torch.Tensor) -> None:
+        self.local.lm_head = value
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        if num_slots > self.cache.num_slots or max_len > self.cache.max_len:
+            raise ValueError(f"the group's caches hold {self.cache.num_slots} slots of "
+                             f"{self.cache.max_len} tokens; asked for {num_slots} x {max_len}")
+        return self.cache
+
+    def __call__(self, batch: BatchInput, cache: KVCache,
+                 logit_indices: torch.Tensor | None = None) -> torch.Tensor:
+        if self.group.world > 1:
+            payload = encode_batch(batch)
+            header = torch.tensor([_STEP, payload.numel()], dtype=torch.long)
+            dist.broadcast(header, src=0, group=self.group.control)
+            dist.broadcast(payload, src=0, group=self.group.control)
+        return self.local(batch, cache, logit_indices)
+
+    forward = __call__
+
+    def stop_followers(self) -> None:
+        if self.group.world > 1:
+            dist.broadcast(torch.tensor([_STOP, 0], dtype=torch.long), src=0,
+                           group=self.group.control)
+
+
+def follow(local: Decoder, group: Group, cache: KVCache) -> int:
+    """A follower's life: run every forward the leader announces until told to stop.
+    Returns the number of forwards run. Raises if the group breaks (a rank died)."""
+    no_logits = torch.empty(0, dtype=torch.long, device=local.device)
+    steps = 0
+    while True:
+        header = torch.empty(2, dtype=torch.long)
+        dist.broadcast(header, src=0, group=group.control)
+        if int(header[0]) == _STOP:
+            return steps
+        payload = torch.empty(int(header[1]), dtype=torch.long)
+        dist.broadcast(payload, src=0, group=group.control)
+        local(decode_batch(payload, local.device), cache, no_logits)
+        steps += 1

@@ -1,0 +1,60 @@
+"""Tensor-parallel logits equal the single-process core (fp32), over real gloo groups in
+separate processes; TP=3 on a model whose KV heads must be replicated across ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import make_tiny_checkpoint
+from tp_scenarios import free_port, run_rank, scenario_logits
+
+from specdec.config import DecoderConfig
+from specdec.model import Decoder
+from specdec.sharding import ShardSpec
+
+
+@pytest.fixture(scope="module")
+def tiny_gqa6(tmp_path_factory):
+    # 6 query heads over 2 KV heads: at TP=3 the middle rank needs both KV heads.
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-gqa6"), "qwen2",
+                                num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
+
+
+def run_group(ckpt, world, seqs, tmp_path):
+    port = free_port()
+    result = tmp_path / f"tp{world}.pt"
+    mp.start_processes(run_rank, args=(world, port, str(ckpt), seqs, str(result)),
+                       nprocs=world, join=True, start_method="spawn")
+    return torch.load(result)
+
+
+def local_logits(ckpt, seqs):
+    m = Decoder.from_checkpoint(ckpt, torch.float32)
+    return scenario_logits(m, m.new_cache(4, 128), seqs)
+
+
+SEQS = [[3, 17, 45, 9, 22, 61, 8, 30, 12], [50, 4, 77, 13, 29, 6, 41], [90, 15, 33, 70, 2, 11]]
+
+
+@pytest.mark.parametrize("world,fixture", [(2, "tiny_qwen2"), (2, "tiny_llama"),
+                                           (3, "tiny_gqa6")])
+def test_tp_logits_equal_single_process(world, fixture, request, tmp_path):
+    ckpt = request.getfixturevalue(fixture)
+    expected = local_logits(ckpt, SEQS)
+    got = run_group(ckpt, world, SEQS, tmp_path)
+    for mode, e in expected.items():
+        diff = (got[mode] - e).abs().max().item()
+        assert diff <= 1e-4, f"TP={world} {mode}: max abs diff {diff}"
+        assert torch.equal(got[mode].argmax(-1), e.argmax(-1)), mode
+
+
+def test_kv_heads_are_replicated_where_ranks_straddle_groups():
+    cfg = DecoderConfig.from_dict({"model_type": "qwen2", "vocab_size": 10, "hidden_size": 48,
+                                   "intermediate_size": 96, "num_hidden_layers": 1,
+                                   "num_attention_heads": 6, "num_key_value_heads": 2})
+    spans = [(ShardSpec(r, 3).q_heads(cfg), ShardSpec(r, 3).kv_heads(cfg)) for r in range(3)]
+    assert [list(q) for q, _ in spans] == [[0, 1], [2, 3], [4, 5]]
+    assert [list(kv) for _, kv in spans] == [[0], [0, 1], [1]]
+    with pytest.raises(ValueError, match="must divide the model's attention heads"):
+        ShardSpec(0, 4).check(cfg)

@@ -1,0 +1,53 @@
+"""Forward scenarios run identically on a local model and on a tensor-parallel group."""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+
+from specdec.batch import BatchInput
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scenario_logits(model, cache, seqs: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Prefill, step-by-step decode, ragged batch, mixed decode/verify, rollback."""
+    out = {}
+    a = seqs[0]
+    out["prefill"] = model(BatchInput.build([(0, 0, a)]), cache, torch.arange(len(a)))
+    out["decode"] = torch.cat([model(BatchInput.build([(1, i, [t])]), cache)
+                               for i, t in enumerate(a)])
+    rows = [(3, 0, seqs[0]), (0, 0, seqs[1]), (2, 0, seqs[2])]
+    n = sum(len(s) for s in seqs)
+    out["ragged"] = model(BatchInput.build(rows), cache, torch.arange(n))
+    rows = [(3, len(seqs[0]), [5]), (0, len(seqs[1]), [7, 8, 9])]
+    out["mixed"] = model(BatchInput.build(rows), cache, torch.arange(4))
+    out["rollback"] = model(BatchInput.build([(0, 4, [11, 12, 13])]), cache, torch.arange(3))
+    return out
+
+
+def run_rank(rank: int, world: int, port: int, ckpt: str, seqs, result_path: str) -> None:
+    """Entry point of one spawned process: build the shard, lead or follow."""
+    from specdec.model import Decoder
+    from specdec.parallel import Group, LeaderDecoder, follow
+    from specdec.sharding import ShardSpec
+
+    torch.set_num_threads(1)
+    group = Group(rank, world, f"tcp://127.0.0.1:{port}", "cpu", timeout_s=60)
+    local = Decoder.from_checkpoint(ckpt, torch.float32, shard=ShardSpec(rank, world),
+                                    with_lm_head=rank == 0)
+    local.all_reduce = group.all_reduce_fn()
+    cache = local.new_cache(4, 128)
+    if rank == 0:
+        leader = LeaderDecoder(local, group, cache)
+        logits = scenario_logits(leader, cache, seqs)
+        leader.stop_followers()
+        torch.save(logits, result_path)
+    else:
+        follow(local, group, cache)
+    group.destroy()
