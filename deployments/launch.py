@@ -1,0 +1,65 @@
+"""Run the engine in this process with the target and draft as Ray actor groups
+(`specdec generate --tp N`, tests): a private local Ray with its own temp dir and ports."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from deployments.config import DraftGroupConfig, GroupRuntimeConfig, ModelGroupConfig
+from deployments.draft import RayDraftProposer
+from deployments.placement import bundles_for
+from deployments.target import RayTargetRunner
+from specdec.build import eos_ids_of
+from specdec.engine import Engine, EngineConfig
+from specdec.generate import load_tokenizer
+from specdec.hub import resolve
+from specdec.proposers import NgramProposer, check_same_tokenizer
+
+
+@contextlib.contextmanager
+def local_ray(num_cpus: int):
+    """A Ray of our own: never joins or stops anyone else's cluster."""
+    tmp = tempfile.mkdtemp(prefix="sdray-", dir="/tmp")
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _temp_dir=tmp,
+             log_to_driver=False, runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class RayEngineHandle(contextlib.AbstractContextManager):
+    """An Engine whose target and draft run as Ray actor groups in one placement group."""
+
+    def __init__(self, target: ModelGroupConfig, draft: DraftGroupConfig | None,
+                 runtime: GroupRuntimeConfig, engine_config: EngineConfig | None = None,
+                 placement_timeout_s: float = 120.0) -> None:
+        target_path = resolve(target.model)
+        if draft is not None:
+            check_same_tokenizer(target_path, resolve(draft.model))
+        bundles, t_idx, d_idx = bundles_for(target, draft)
+        self.pg = placement_group(bundles, strategy=runtime.placement_strategy)
+        ray.get(self.pg.ready(), timeout=placement_timeout_s)
+        self.target = RayTargetRunner(target, runtime, self.pg, t_idx)
+        self.draft = RayDraftProposer(draft, runtime, self.pg, d_idx) if draft else None
+        self.tokenizer = load_tokenizer(target_path)
+        proposers = {"ngram": NgramProposer()}
+        if self.draft is not None:
+            proposers["draft"] = self.draft
+        self.engine = Engine(self.target, proposers, self.tokenizer,
+                             eos_ids_of(target_path, self.tokenizer), engine_config)
+
+    def close(self) -> None:
+        self.target.shutdown()
+        if self.draft is not None:
+            self.draft.shutdown()
+        remove_placement_group(self.pg)
+
+    def __exit__(self, *exc) -> None:
+        self.close()

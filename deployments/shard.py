@@ -1,0 +1,116 @@
+"""`ModelShard`: one rank of a tensor-parallel model, as a Ray actor.
+
+Rank 0 of the target group holds the target runner (forward + rejection sampler); rank 0
+of the draft group holds the draft proposer. Other ranks only follow rank 0's broadcasts.
+The maths lives in specdec; this file only places it in a process.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+from typing import Any
+
+import ray
+import torch
+
+from specdec.generate import dtype_from_name
+from specdec.hub import resolve
+from specdec.model import Decoder
+from specdec.parallel import Group, LeaderDecoder, follow
+from specdec.proposers import DraftModelProposer, ProposeInput
+from specdec.sampling import SamplingParams
+from specdec.sharding import ShardSpec
+from specdec.target_runner import LocalTargetRunner, TargetResult, TargetRow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@ray.remote(max_concurrency=4)  # follow() blocks one thread; pings and stats use others
+class ModelShard:
+    def __init__(self, role: str, model: str, dtype: str, rank: int, world: int,
+                 max_slots: int, max_len: int, threads: int, extra: dict[str, Any]) -> None:
+        torch.set_num_threads(max(1, threads))
+        self.role, self.rank, self.world = role, rank, world
+        self.model_ref, self.dtype = model, dtype_from_name(dtype)
+        self.max_slots, self.max_len, self.extra = max_slots, max_len, extra
+        self.device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
+        self.group: Group | None = None
+        self.runner: LocalTargetRunner | None = None
+        self.proposer: DraftModelProposer | None = None
+
+    def address(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def setup(self, init_method: str, collective_timeout_s: float) -> dict:
+        """Join the group, read this rank's slice of the weights, allocate its KV cache."""
+        self.group = Group(self.rank, self.world, init_method, self.device, collective_timeout_s)
+        path = resolve(self.model_ref)
+        rss_before = _max_rss_mb()
+        local = Decoder.from_checkpoint(path, self.dtype, self.device,
+                                        ShardSpec(self.rank, self.world),
+                                        with_lm_head=self.rank == 0)
+        local.all_reduce = self.group.all_reduce_fn()
+        cache = local.new_cache(self.max_slots, self.max_len)
+        self.local, self.cache = local, cache
+        if self.rank == 0:
+            leader = LeaderDecoder(local, self.group, cache)
+            if self.role == "target":
+                self.runner = LocalTargetRunner(leader, self.max_slots, self.max_len)
+            else:
+                self.proposer = DraftModelProposer(leader, self.max_slots, self.max_len,
+                                                   self.extra.get("sampling", "probabilistic"),
+                                                   self.extra.get("vocab_limit"))
+        weights = sum(t.numel() * t.element_size() for layer in local.layers
+                      for t in layer.w.values() if t is not None)
+        weights += sum(t.numel() * t.element_size()
+                       for t in {id(x): x for x in (local.embed, local.norm, local.lm_head)}.values())
+        return {"rank": self.rank, "backend": self.group.backend, "device": self.device,
+                "weights_mb": weights / 2**20,
+                "kv_cache_mb": 2 * cache.k.numel() * cache.k.element_size() / 2**20,
+                "peak_rss_mb": _max_rss_mb(), "rss_before_load_mb": rss_before,
+                "vocab_size": local.cfg.vocab_size}
+
+    def follow(self) -> int:
+        assert self.group is not None and self.rank > 0
+        return follow(self.local, self.group, self.cache)
+
+    # ---- rank 0 of the target group -------------------------------------------------------
+
+    def target_step(self, rows: list[TargetRow], started: dict[str, SamplingParams],
+                    ended: list[str]) -> list[TargetResult]:
+        assert self.runner is not None
+        for seq_id in ended:
+            self.runner.end_sequence(seq_id)
+        for seq_id, params in started.items():
+            self.runner.start_sequence(seq_id, params)
+        return self.runner.step(rows)
+
+    # ---- rank 0 of the draft group --------------------------------------------------------
+
+    def draft_propose(self, inputs: list[ProposeInput], accepted: dict[str, int],
+                      released: list[str]):
+        assert self.proposer is not None
+        for seq_id, n in accepted.items():
+            self.proposer.accepted(seq_id, n)
+        for seq_id in released:
+            self.proposer.release(seq_id)
+        return self.proposer.propose(inputs)
+
+    def stop(self) -> None:
+        if self.rank == 0 and self.group is not None:
+            (self.runner.model if self.runner else self.proposer.model).stop_followers()
+        if self.group is not None:
+            self.group.destroy()
+
+
+def _max_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

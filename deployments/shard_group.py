@@ -1,0 +1,93 @@
+"""Start, call and tear down one tensor-parallel group of `ModelShard` actors."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from deployments.config import GroupRuntimeConfig, ModelGroupConfig
+from deployments.shard import ModelShard
+
+log = logging.getLogger(__name__)
+
+
+class GroupFailed(RuntimeError):
+    """A rank died, a collective broke or a call timed out; the group must be rebuilt."""
+
+
+class ShardGroup:
+    def __init__(self, role: str, cfg: ModelGroupConfig, runtime: GroupRuntimeConfig,
+                 placement_group: PlacementGroup | None = None,
+                 bundle_indices: list[int] | None = None, extra: dict | None = None) -> None:
+        self.role, self.cfg, self.runtime = role, cfg, runtime
+        self.pg, self.bundles = placement_group, bundle_indices
+        self.extra = extra or {}
+        self.actors: list = []
+        self.followers: list = []
+        self.stats: list[dict] = []
+        self.generation = 0  # how many times the group was (re)built
+
+    @property
+    def leader(self):
+        return self.actors[0]
+
+    def _options(self, rank: int) -> dict:
+        res = self.cfg.resources
+        opts: dict = {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus,
+                      "resources": res.resources or None, "max_restarts": 0}
+        if self.runtime.gloo_socket_ifname:
+            opts["runtime_env"] = {"env_vars": {"GLOO_SOCKET_IFNAME":
+                                                self.runtime.gloo_socket_ifname}}
+        if self.pg is not None:
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=self.bundles[rank] if self.bundles else -1)
+        return opts
+
+    def start(self) -> list[dict]:
+        t0 = time.monotonic()
+        world = self.cfg.tp
+        threads = self.cfg.threads or max(1, int(self.cfg.resources.num_cpus))
+        # Create every rank before waiting on any: ranks block in setup until all join.
+        self.actors = [ModelShard.options(**self._options(r)).remote(
+            self.role, self.cfg.model, self.cfg.dtype, r, world, self.runtime.max_slots,
+            self.runtime.max_len, threads, self.extra) for r in range(world)]
+        try:
+            ip, port = ray.get(self.leader.address.remote(), timeout=self.runtime.init_timeout_s)
+            init = f"tcp://{ip}:{port}"
+            self.stats = ray.get([a.setup.remote(init, self.runtime.collective_timeout_s)
+                                  for a in self.actors], timeout=self.runtime.init_timeout_s)
+        except Exception as exc:
+            self.kill()
+            raise GroupFailed(f"{self.role} group did not start: {exc}") from exc
+        self.followers = [a.follow.remote() for a in self.actors[1:]]
+        self.generation += 1
+        log.info("%s group of %d ready in %.1fs", self.role, world, time.monotonic() - t0)
+        return self.stats
+
+    def call(self, method: str, *args, timeout: float | None = None):
+        if not self.actors:
+            raise GroupFailed(f"{self.role} group is not running")
+        ref = getattr(self.leader, method).remote(*args)
+        try:
+            return ray.get(ref, timeout=timeout or self.runtime.step_timeout_s)
+        except Exception as exc:  # actor death, broken collective, timeout: all fatal
+            raise GroupFailed(f"{self.role} group failed: {type(exc).__name__}: {exc}") from exc
+
+    def alive(self) -> bool:
+        if not self.actors:
+            return False
+        ready, _ = ray.wait(self.followers, timeout=0) if self.followers else ([], [])
+        # A follower's loop only returns if the group broke (or was stopped).
+        return not ready
+
+    def kill(self) -> None:
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.actors, self.followers = [], []
