@@ -63,3 +63,19 @@ class RayEngineHandle(contextlib.AbstractContextManager):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def generate_with_ray(args, method: str, k: int, run) -> int:
+    """`specdec generate --tp N`: a private local Ray, the target as N shard actors and the
+    draft as its own group, torn down after the one request."""
+    import time
+
+    n_actors = args.tp + (args.draft_tp if method == "draft" else 0)
+    runtime = GroupRuntimeConfig(max_slots=1, max_len=args.max_len, gloo_socket_ifname="lo")
+    target = ModelGroupConfig(model=args.target, tp=args.tp, dtype=args.dtype)
+    draft = DraftGroupConfig(model=args.draft, tp=args.draft_tp, dtype=args.dtype) \
+        if method == "draft" else None
+    with local_ray(num_cpus=max(n_actors, 2)):
+        t0 = time.perf_counter()
+        with RayEngineHandle(target, draft, runtime) as h:
+            return run(h.engine, h.tokenizer, time.perf_counter() - t0)

@@ -77,6 +77,7 @@ class ModelShard:
                 "weights_mb": weights / 2**20,
                 "kv_cache_mb": 2 * cache.k.numel() * cache.k.element_size() / 2**20,
                 "peak_rss_mb": _max_rss_mb(), "rss_before_load_mb": rss_before,
+                "rss_anon_mb": _rss_anon_mb(), "threads": torch.get_num_threads(),
                 "vocab_size": local.cfg.vocab_size}
 
     def follow(self) -> int:
@@ -114,3 +115,13 @@ class ModelShard:
 
 def _max_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _rss_anon_mb() -> float:
+    """Private memory now (weights, cache, interpreter), without the checkpoint's mmap'd
+    file pages that reading a slice touches and the kernel can drop at any time."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")

@@ -48,6 +48,12 @@ def _bench_decode(args) -> int:
     return bench_decode(args)
 
 
+def _bench_tp(args) -> int:
+    from deployments.bench_tp import main as bench_tp  # needs Ray: lives in deployments/
+
+    return bench_tp(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -69,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculation method (default: draft if --draft is given, else none)")
     g.add_argument("--k", type=int, default=4, help="draft tokens per round")
     g.add_argument("--max-len", type=int, default=2048, help="context limit (KV slot size)")
+    g.add_argument("--tp", type=int, default=0,
+                   help="run the target as a tensor-parallel group of N Ray actors (0: in "
+                        "this process)")
+    g.add_argument("--draft-tp", type=int, default=1, help="tensor parallel size of the draft")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--max-tokens", type=int, default=64)
@@ -105,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     b_dec.add_argument("--costs", action="store_true", help="also measure c and v")
     b_dec.add_argument("--json", metavar="PATH", default=None)
     b_dec.set_defaults(func=_bench_decode)
+    b_tp = bench.add_parser("tp", help="tensor-parallel group overhead and memory per shard")
+    b_tp.add_argument("--model", default="qwen2.5-coder-1.5b")
+    b_tp.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    b_tp.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    b_tp.add_argument("--threads", type=int, default=2, help="CPU threads shared by the ranks")
+    b_tp.add_argument("--steps", type=int, default=20)
+    b_tp.add_argument("--json", metavar="PATH", default=None)
+    b_tp.set_defaults(func=_bench_tp)
     return p
 
 

@@ -17,11 +17,20 @@ def run_generate(args) -> int:
     k = args.k if method != "none" else 0
     if method != "none" and k < 1:
         raise ValueError("--k must be >= 1 for speculative methods")
+    if args.tp > 0:
+        # The Ray path lives in deployments/ (specdec itself never imports ray).
+        from deployments.launch import generate_with_ray
+
+        return generate_with_ray(args, method, k, lambda engine, tok, load_s: _generate(
+            args, method, k, engine, tok, load_s))
     t0 = time.perf_counter()
     engine, tok = build_local_engine(LocalEngineSpec(
         target=args.target, draft=args.draft if method == "draft" else None, dtype=args.dtype,
         max_slots=1, max_len=args.max_len))
-    load_s = time.perf_counter() - t0
+    return _generate(args, method, k, engine, tok, time.perf_counter() - t0)
+
+
+def _generate(args, method, k, engine, tok, load_s) -> int:
     if args.chat:
         prompt_ids = tok.apply_chat_template(
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True,
@@ -41,6 +50,7 @@ def run_generate(args) -> int:
     if args.json:
         print(json.dumps({
             "target": args.target, "draft": args.draft, "method": method, "k": k,
+            "tp": args.tp, "draft_tp": args.draft_tp if args.draft else None,
             "dtype": args.dtype, "prompt_tokens": len(prompt_ids),
             "completion_tokens": len(out.token_ids), "finish_reason": out.finish_reason,
             "text": out.text, "token_ids": out.token_ids, "load_s": round(load_s, 3),
