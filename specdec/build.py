@@ -22,6 +22,7 @@ class LocalEngineSpec:
     target: str
     draft: str | None = None
     dtype: str = "bfloat16"
+    device: str = "cpu"
     max_slots: int = 8
     max_len: int = 2048
     draft_sampling: Literal["probabilistic", "greedy"] = "probabilistic"
@@ -48,12 +49,12 @@ def build_local_engine(spec: LocalEngineSpec, **engine_kw) -> tuple[Engine, obje
     dtype: torch.dtype = dtype_from_name(spec.dtype)
     target_path = hub.resolve(spec.target)
     tok = load_tokenizer(target_path)
-    target = Decoder.from_checkpoint(target_path, dtype)
+    target = Decoder.from_checkpoint(target_path, dtype, spec.device)
     proposers: dict[str, Proposer] = {"ngram": NgramProposer(spec.ngram_min, spec.ngram_max)}
     if spec.draft:
         draft_path = hub.resolve(spec.draft)
         check_same_tokenizer(target_path, draft_path)
-        draft = Decoder.from_checkpoint(draft_path, dtype)
+        draft = Decoder.from_checkpoint(draft_path, dtype, spec.device)
         proposers["draft"] = DraftModelProposer(draft, spec.max_slots, spec.max_len,
                                                 spec.draft_sampling, spec.draft_vocab_limit)
     runner = LocalTargetRunner(target, spec.max_slots, spec.max_len)

@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     b_dec.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5, 6])
     b_dec.add_argument("--ngram-k", type=int, default=4)
     b_dec.add_argument("--batch", type=int, default=1)
+    b_dec.add_argument("--device", default="cpu", help="cpu or cuda")
     b_dec.add_argument("--draft-vocab-limit", type=int, default=None,
                        help="the draft guesses only among the first N token ids")
     b_dec.add_argument("--sets", nargs="+", default=["code", "prose", "chat_code"])

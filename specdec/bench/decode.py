@@ -61,7 +61,8 @@ def _hf_rows(args, sets, progress) -> list[dict]:
 
 def _our_rows(args, sets, progress) -> list[dict]:
     engine, _ = build_local_engine(LocalEngineSpec(
-        target=args.target, draft=args.draft, dtype=args.dtype, max_slots=max(args.batch, 1),
+        target=args.target, draft=args.draft, dtype=args.dtype, device=args.device,
+        max_slots=max(args.batch, 1),
         max_len=2048, draft_sampling="greedy", draft_vocab_limit=args.draft_vocab_limit))
     configs = [("plain", "none", 0)] + [("draft", "draft", k) for k in args.k] + \
         [("ngram", "ngram", args.ngram_k)]
@@ -99,18 +100,20 @@ def measure_costs(args) -> dict:
     dtype = dtype_from_name(args.dtype)
     out = {}
     for role, ref in (("target", args.target), ("draft", args.draft)):
-        m = Decoder.from_checkpoint(hub.resolve(ref), dtype)
+        m = Decoder.from_checkpoint(hub.resolve(ref), dtype, args.device)
         if role == "draft" and args.draft_vocab_limit:
             m.lm_head = m.lm_head[: args.draft_vocab_limit].contiguous()
         cache = m.new_cache(1, 512)
-        m(BatchInput.build([(0, 0, list(range(100, 300)))]), cache)
+        m(BatchInput.build([(0, 0, list(range(100, 300)))], m.device), cache)
         times = {}
         for n in (1, 5):
             ts = []
             for _ in range(5):
                 t = time.perf_counter()
-                m(BatchInput.build([(0, 200, list(range(300, 300 + n)))]), cache,
-                  torch.arange(n))
+                m(BatchInput.build([(0, 200, list(range(300, 300 + n)))], m.device), cache,
+                  torch.arange(n, device=m.device))
+                if m.device.type == "cuda":
+                    torch.cuda.synchronize()
                 ts.append(time.perf_counter() - t)
             times[n] = median(ts)
         out[role] = times
