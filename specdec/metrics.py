@@ -16,6 +16,7 @@ class SpecCounters:
     rounds: int = 0            # speculative rounds (k >= 1)
     drafted: int = 0
     accepted: int = 0
+    rejections: int = 0        # rounds that ended in a rejection (not a full acceptance)
     plain_steps: int = 0       # steps that emitted one token without a proposal
     emitted: int = 0
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
@@ -31,6 +32,7 @@ class SpecCounters:
         self.rounds += 1
         self.drafted += num_draft
         self.accepted += num_accepted
+        self.rejections += int(num_accepted < num_draft)
         for counts, n in ((self.drafted_per_position, num_draft),
                           (self.accepted_per_position, num_accepted)):
             if len(counts) < num_draft:
@@ -43,6 +45,13 @@ class SpecCounters:
         return 1.0 + self.accepted / self.rounds if self.rounds else None
 
     @property
+    def alpha_estimate(self) -> float | None:
+        """Per-token acceptance: kept / tested, a guess being tested only up to the first
+        rejection of its round."""
+        trials = self.accepted + self.rejections
+        return self.accepted / trials if trials else None
+
+    @property
     def draft_acceptance_ratio(self) -> float | None:
         return self.accepted / self.drafted if self.drafted else None
 
@@ -53,7 +62,7 @@ class SpecCounters:
                                 strict=False)]
 
     def add(self, other: SpecCounters) -> None:
-        for f in ("rounds", "drafted", "accepted", "plain_steps", "emitted", "draft_s",
+        for f in ("rounds", "drafted", "accepted", "rejections", "plain_steps", "emitted", "draft_s",
                   "verify_s"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for mine, theirs in ((self.accepted_per_position, other.accepted_per_position),
@@ -69,6 +78,7 @@ class SpecCounters:
             "plain_steps": self.plain_steps, "emitted": self.emitted,
             "mean_acceptance_length": self.mean_acceptance_length,
             "draft_acceptance_ratio": self.draft_acceptance_ratio,
+            "alpha_estimate": self.alpha_estimate,
             "per_position_acceptance": self.per_position_acceptance(),
             "draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4),
         }

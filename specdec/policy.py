@@ -1,0 +1,179 @@
+"""The routing brain: plain or speculative decoding, which method and which k, per request
+and again between rounds as the load changes. Pure: no Ray, no clocks, no I/O.
+
+Inputs: the expected output length (max_tokens, stop settings, what finished requests of a
+similar prompt length produced), the live load (rows in the engine's batch, tokens per step,
+and the measured step time as a function of tokens per step), and the measured acceptance
+(per method, and per request after its first rounds). Output: the k (0 = plain) with the
+highest expected goodput from the cost model, and the reasons.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from specdec.cost_model import expected_speedup
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+    k_max: int = 6
+    min_expected_tokens: int = 12      # shorter expected outputs go plain: nothing to amortize
+    min_speedup: float = 1.05          # speculation must beat plain by this margin
+    draft_cost_ratio: float = 0.35     # c: draft step / target step (profiled at start-up)
+    ngram_cost_ratio: float = 0.02     # lookup is nearly free
+    acceptance_prior: tuple[tuple[str, float], ...] = (("draft", 0.75), ("ngram", 0.35))
+    prior_weight: float = 20.0         # pseudo-trials behind the prior
+    collapse_rounds: int = 4           # a request's own rounds before its alpha is trusted
+    collapse_alpha: float = 0.25       # below this a request drops to plain
+    length_buckets: tuple[int, ...] = (64, 256, 1024, 4096)
+
+
+class AcceptanceTracker:
+    """Per-token acceptance alpha per method: every drafted position up to and including the
+    first rejection is one Bernoulli trial (later guesses were never tested)."""
+
+    def __init__(self, config: PolicyConfig) -> None:
+        self.config = config
+        self.trials: dict[str, float] = {}
+        self.kept: dict[str, float] = {}
+
+    def observe(self, method: str, accepted: int, rejected: bool) -> None:
+        self.trials[method] = self.trials.get(method, 0.0) + accepted + int(rejected)
+        self.kept[method] = self.kept.get(method, 0.0) + accepted
+
+    def alpha(self, method: str) -> float:
+        prior = dict(self.config.acceptance_prior).get(method, 0.5)
+        w = self.config.prior_weight
+        return (self.kept.get(method, 0.0) + prior * w) / (self.trials.get(method, 0.0) + w)
+
+
+class LengthEstimator:
+    """Completion length of finished requests, per prompt-length bucket (running mean)."""
+
+    def __init__(self, config: PolicyConfig) -> None:
+        self.config = config
+        self.sum: dict[int, float] = {}
+        self.count: dict[int, int] = {}
+
+    def bucket(self, prompt_tokens: int) -> int:
+        for i, edge in enumerate(self.config.length_buckets):
+            if prompt_tokens <= edge:
+                return i
+        return len(self.config.length_buckets)
+
+    def observe(self, prompt_tokens: int, completion_tokens: int) -> None:
+        b = self.bucket(prompt_tokens)
+        self.sum[b] = self.sum.get(b, 0.0) + completion_tokens
+        self.count[b] = self.count.get(b, 0) + 1
+
+    def expected(self, prompt_tokens: int, max_tokens: int, has_stop: bool) -> float:
+        b = self.bucket(prompt_tokens)
+        if self.count.get(b):
+            learned = self.sum[b] / self.count[b]
+            return min(max_tokens, learned)
+        # Nothing learned yet: a stop string usually ends a reply early.
+        return max_tokens * (0.5 if has_stop else 1.0)
+
+
+class StepCostModel:
+    """Step time as a + b * tokens, fitted online (least squares over recent steps). The
+    verify cost v of adding k tokens per row is the ratio of step times with and without."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.samples.append((float(tokens), seconds))
+        del self.samples[:-512]
+
+    def fit(self) -> tuple[float, float] | None:
+        if len(self.samples) < 8:
+            return None
+        n = len(self.samples)
+        mx = sum(x for x, _ in self.samples) / n
+        my = sum(y for _, y in self.samples) / n
+        var = sum((x - mx) ** 2 for x, _ in self.samples)
+        if var <= 0:
+            return None
+        b = sum((x - mx) * (y - my) for x, y in self.samples) / var
+        a = my - b * mx
+        return (max(a, 1e-6), max(b, 0.0))
+
+    def verify_cost(self, base_tokens: float, extra_tokens: float) -> float:
+        fit = self.fit()
+        if fit is None:
+            return 1.0  # memory-bound assumption until measured
+        a, b = fit
+        return (a + b * (base_tokens + extra_tokens)) / (a + b * base_tokens)
+
+
+@dataclasses.dataclass
+class Load:
+    running: int = 0           # rows in the engine's batch
+    waiting: int = 0
+    tokens_per_step: float = 1.0
+
+
+@dataclasses.dataclass
+class Decision:
+    mode: str                  # "speculative" | "plain"
+    method: str                # "draft" | "ngram" | "none"
+    k: int
+    reason: str
+    expected_speedup: float
+    inputs: dict
+
+
+def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
+           expected_tokens: float, load: Load, cost: StepCostModel,
+           forced_method: str | None = None, forced_k: int | None = None) -> Decision:
+    """Choose method and k for a request about to start (or for its next round)."""
+    inputs = {"expected_tokens": round(expected_tokens, 1), "running": load.running,
+              "waiting": load.waiting, "tokens_per_step": round(load.tokens_per_step, 2),
+              "alpha": {m: round(a, 3) for m, a in alpha.items()}}
+    if not methods:
+        return Decision("plain", "none", 0, "no proposer available", 1.0, inputs)
+    if expected_tokens < config.min_expected_tokens and forced_k is None:
+        return Decision("plain", "none", 0, f"short output expected ({expected_tokens:.0f} "
+                        f"< {config.min_expected_tokens} tokens)", 1.0, inputs)
+    best = Decision("plain", "none", 0, "no k beats plain decoding at this load and acceptance",
+                    1.0, inputs)
+    candidates = [forced_method] if forced_method else methods
+    base = max(load.tokens_per_step, 1.0)
+    # Each row of the batch drafts too, so verify grows by k per speculative row.
+    rows = max(load.running, 1)
+    for m in candidates:
+        c = config.draft_cost_ratio if m == "draft" else config.ngram_cost_ratio
+        ks = [forced_k] if forced_k is not None else range(1, config.k_max + 1)
+        for k in ks:
+            v = cost.verify_cost(base, rows * k)
+            s = expected_speedup(alpha.get(m, 0.5), k, c, v)
+            if forced_k is not None or s > best.expected_speedup:
+                best = Decision("speculative", m, k, f"best expected goodput: {s:.2f}x plain "
+                                f"(alpha {alpha.get(m, 0.5):.2f}, c {c:.2f}, v {v:.2f})",
+                                s, inputs)
+    if best.mode == "speculative" and forced_k is None and \
+            best.expected_speedup < config.min_speedup:
+        return Decision("plain", "none", 0, f"best speculation only {best.expected_speedup:.2f}x",
+                        best.expected_speedup, inputs)
+    return best
+
+
+def revisit(config: PolicyConfig, method: str, k_now: int, own_trials: int, own_kept: int,
+            rounds: int, method_alpha: float, load: Load, cost: StepCostModel) -> int:
+    """k for a running request's next round: its own acceptance (once trusted) blended with
+    the method's, under the current load; 0 when its acceptance collapsed."""
+    if method == "none" or k_now == 0:
+        return 0
+    if rounds >= config.collapse_rounds and own_trials:
+        own = own_kept / own_trials
+        if own < config.collapse_alpha:
+            return 0
+        w = min(1.0, rounds / (4.0 * config.collapse_rounds))
+        alpha = w * own + (1 - w) * method_alpha
+    else:
+        alpha = method_alpha
+    d = decide(config, [method], {method: alpha}, math.inf, load, cost, forced_method=method)
+    return d.k
