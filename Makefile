@@ -21,11 +21,11 @@ install: $(STAMP)
 models: install
 	$(BIN)/specdec models fetch all
 
-# Runs the service on its embedded default: the offline Qwen pair on CPU.
+# Runs the service on its embedded default: the offline Qwen pair on CPU, OpenAI-compatible
+# HTTP on 127.0.0.1:8000 (serve_config.yaml). Ctrl-C stops it.
 serve: install
 	$(BIN)/specdec models fetch qwen-pair
-	$(BIN)/specdec generate --target qwen2.5-coder-1.5b --chat --max-tokens 64 \
-		--prompt "Write a Python function that reverses a linked list."
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/serve run serve_config.yaml
 
 lint: install
 	$(BIN)/ruff check specdec deployments tests

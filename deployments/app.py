@@ -1,34 +1,47 @@
-"""Ray Serve application builder used by serve_config.yaml.
-
-For now the app exposes only a health route; the engine and router deployments plug in here.
-"""
+"""`build_app(args)`: serve_config.yaml's import path. The args are validated by pydantic
+here, at deploy time, so a bad config fails with a message naming the field."""
 
 from __future__ import annotations
 
-from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict
+from pydantic import ValidationError
 from ray import serve
 
-api = FastAPI(title="specdec-serve")
+from deployments.app_config import AppArgs
+from deployments.engine_server import EngineServer
+from deployments.placement import bundles_for
+from deployments.router import Router
 
 
-class AppArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    target: str = "qwen2.5-coder-1.5b"
-    draft: str | None = "qwen2.5-coder-0.5b"
+class ConfigError(ValueError):
+    pass
 
 
-@serve.deployment
-@serve.ingress(api)
-class Health:
-    def __init__(self, args: dict) -> None:
-        self.args = AppArgs.model_validate(args)
-
-    @api.get("/health")
-    def health(self) -> dict:
-        return {"status": "ok", "target": self.args.target, "draft": self.args.draft}
+def parse_args(args: dict) -> AppArgs:
+    try:
+        return AppArgs.model_validate(args or {})
+    except ValidationError as exc:
+        lines = [f"  {'.'.join(str(x) for x in e['loc']) or '(root)'}: {e['msg']}"
+                 for e in exc.errors()]
+        raise ConfigError("invalid specdec application args:\n" + "\n".join(lines)) from None
 
 
 def build_app(args: dict):
-    AppArgs.model_validate(args)  # a bad config fails at deploy time, naming the field
-    return Health.bind(args)
+    cfg = parse_args(args)
+    bundles, _, _ = bundles_for(cfg.target, cfg.draft, replica_bundle={"CPU": cfg.replica_cpus})
+    auto = cfg.engine_autoscaling
+    engine = serve.deployment(EngineServer, name="Engine").options(
+        ray_actor_options={"num_cpus": cfg.replica_cpus},
+        placement_group_bundles=bundles,
+        placement_group_strategy=cfg.runtime.placement_strategy,
+        max_ongoing_requests=cfg.engine_max_ongoing(),
+        autoscaling_config={
+            "min_replicas": auto.min_replicas, "max_replicas": auto.max_replicas,
+            "target_ongoing_requests": auto.target_ongoing_requests,
+            "upscale_delay_s": auto.upscale_delay_s,
+            "downscale_delay_s": auto.downscale_delay_s},
+        health_check_period_s=10, health_check_timeout_s=60,
+    ).bind(cfg.engine_config())
+    return Router.options(num_replicas=cfg.router_replicas,
+                          max_ongoing_requests=cfg.router_max_ongoing_requests,
+                          ray_actor_options={"num_cpus": cfg.router_cpus}).bind(
+        engine, cfg.model_dump())

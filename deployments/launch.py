@@ -24,8 +24,14 @@ from specdec.proposers import NgramProposer, check_same_tokenizer
 @contextlib.contextmanager
 def local_ray(num_cpus: int):
     """A Ray of our own: never joins or stops anyone else's cluster."""
+    import socket
+
     tmp = tempfile.mkdtemp(prefix="sdray-", dir="/tmp")
+    with socket.socket() as s:  # the dashboard process runs even when its UI is off
+        s.bind(("127.0.0.1", 0))
+        dashboard_port = s.getsockname()[1]
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _temp_dir=tmp,
+             dashboard_port=dashboard_port,
              log_to_driver=False, runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}})
     try:
         yield

@@ -54,6 +54,12 @@ def _bench_tp(args) -> int:
     return bench_tp(args)
 
 
+def _bench_serve(args) -> int:
+    from specdec.bench.serve import main as bench_serve
+
+    return bench_serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -116,6 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
     b_dec.add_argument("--costs", action="store_true", help="also measure c and v")
     b_dec.add_argument("--json", metavar="PATH", default=None)
     b_dec.set_defaults(func=_bench_decode)
+    b_srv = bench.add_parser("serve", help="concurrency sweep against the running service")
+    b_srv.add_argument("--url", default="http://127.0.0.1:8000")
+    b_srv.add_argument("--model", default="qwen2.5-coder-1.5b")
+    b_srv.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    b_srv.add_argument("--policies", nargs="+", default=["plain", "speculative", "router"],
+                       choices=["plain", "speculative", "router"])
+    b_srv.add_argument("--k", type=int, default=4, help="k of the static speculative policy")
+    b_srv.add_argument("--requests-per-client", type=int, default=2)
+    b_srv.add_argument("--max-tokens", type=int, nargs="+", default=[16, 64, 128])
+    b_srv.add_argument("--json", metavar="PATH", default=None)
+    b_srv.add_argument("--plot", metavar="PNG", default=None)
+    b_srv.set_defaults(func=_bench_serve)
     b_tp = bench.add_parser("tp", help="tensor-parallel group overhead and memory per shard")
     b_tp.add_argument("--model", default="qwen2.5-coder-1.5b")
     b_tp.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])

@@ -178,7 +178,10 @@ class Engine:
         req = seq.req
         if req.method == "none" or req.method not in self.proposers:
             return 0
-        k = self.choose_k(self, req, seq.spec, len(self._running)) if self.choose_k else req.k
+        if self.choose_k is None or req.fixed_k:
+            k = req.k
+        else:
+            k = self.choose_k(self, req, seq.spec, len(self._running))
         remaining = req.params.max_tokens - seq.generated
         room = self.target.max_len - seq.cached - pending
         return max(0, min(k, remaining - 1, room))

@@ -39,8 +39,9 @@ class AcceptanceTracker:
         self.trials: dict[str, float] = {}
         self.kept: dict[str, float] = {}
 
-    def observe(self, method: str, accepted: int, rejected: bool) -> None:
-        self.trials[method] = self.trials.get(method, 0.0) + accepted + int(rejected)
+    def observe(self, method: str, accepted: int, rejections: int) -> None:
+        """accepted guesses and rounds that ended in a rejection (each one more trial)."""
+        self.trials[method] = self.trials.get(method, 0.0) + accepted + rejections
         self.kept[method] = self.kept.get(method, 0.0) + accepted
 
     def alpha(self, method: str) -> float:
@@ -83,12 +84,23 @@ class StepCostModel:
 
     def __init__(self) -> None:
         self.samples: list[tuple[float, float]] = []
+        self._fixed: tuple[float, float] | None = None
+
+    @classmethod
+    def with_fit(cls, fit: tuple[float, float] | list[float] | None) -> StepCostModel:
+        """A model with a known fit (e.g. reported by an engine replica)."""
+        m = cls()
+        if fit is not None:
+            m._fixed = (float(fit[0]), float(fit[1]))
+        return m
 
     def observe(self, tokens: int, seconds: float) -> None:
         self.samples.append((float(tokens), seconds))
         del self.samples[:-512]
 
     def fit(self) -> tuple[float, float] | None:
+        if self._fixed is not None:
+            return self._fixed
         if len(self.samples) < 8:
             return None
         n = len(self.samples)
@@ -130,7 +142,8 @@ def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
            expected_tokens: float, load: Load, cost: StepCostModel,
            forced_method: str | None = None, forced_k: int | None = None) -> Decision:
     """Choose method and k for a request about to start (or for its next round)."""
-    inputs = {"expected_tokens": round(expected_tokens, 1), "running": load.running,
+    inputs = {"expected_tokens": round(expected_tokens, 1) if math.isfinite(expected_tokens)
+              else None, "running": load.running,
               "waiting": load.waiting, "tokens_per_step": round(load.tokens_per_step, 2),
               "alpha": {m: round(a, 3) for m, a in alpha.items()}}
     if not methods:

@@ -21,6 +21,7 @@ class Request:
     method: Method = "none"
     k: int = 0                       # draft tokens per round; 0 = plain decoding
     on_output: Callable[[RequestOutput], None] | None = None
+    fixed_k: bool = False            # the caller pinned k: the policy must not revisit it
 
 
 @dataclasses.dataclass

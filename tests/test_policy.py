@@ -76,8 +76,8 @@ def test_collapsed_request_acceptance_drops_to_plain():
 
 def test_acceptance_tracker_counts_trials_up_to_the_first_rejection():
     t = AcceptanceTracker(PolicyConfig(prior_weight=0.0))
-    t.observe("draft", 2, True)   # kept 2, third rejected: 3 trials
-    t.observe("draft", 4, False)  # all 4 kept: 4 trials
+    t.observe("draft", 2, 1)   # kept 2, third rejected: 3 trials
+    t.observe("draft", 4, 0)   # all 4 kept: 4 trials
     assert abs(t.alpha("draft") - 6 / 7) < 1e-12
 
 

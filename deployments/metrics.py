@@ -1,0 +1,57 @@
+"""Prometheus metrics of the engine replicas (exported by Ray as ray_specdec_*).
+
+Acceptance is exported as counters so PromQL can form honest ratios over any window:
+mean acceptance length = 1 + rate(accepted) / rate(rounds); draft acceptance ratio =
+rate(accepted) / rate(drafted) (not the paper's alpha); alpha = rate(accepted) /
+(rate(accepted) + rate(rejections)).
+"""
+
+from __future__ import annotations
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+
+class EngineMetrics:
+    def __init__(self) -> None:
+        tags = ("method",)
+        self.requests = Counter("specdec_requests", "requests admitted", tag_keys=tags)
+        self.finished_requests = Counter("specdec_requests_finished", "requests finished",
+                                         tag_keys=("method", "finish_reason"))
+        self.tokens = Counter("specdec_generated_tokens", "tokens emitted", tag_keys=tags)
+        self.rounds = Counter("specdec_spec_rounds", "speculative rounds", tag_keys=tags)
+        self.drafted = Counter("specdec_spec_drafted_tokens", "draft tokens proposed",
+                               tag_keys=tags)
+        self.accepted = Counter("specdec_spec_accepted_tokens", "draft tokens kept",
+                                tag_keys=tags)
+        self.rejections = Counter("specdec_spec_rejections", "rounds ending in a rejection",
+                                  tag_keys=tags)
+        self.step_tokens = Histogram("specdec_step_tokens", "tokens per target forward",
+                                     boundaries=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
+        self.step_seconds = Histogram("specdec_step_seconds", "target forward time",
+                                      boundaries=[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
+                                                  2.5, 5])
+        self.draft_seconds = Histogram("specdec_draft_seconds", "draft time per step",
+                                       boundaries=[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                                   0.5, 1, 2.5])
+        self.running = Gauge("specdec_running_requests", "rows in the batch")
+
+    def admitted(self, method: str) -> None:
+        self.requests.inc(tags={"method": method})
+
+    def step(self, rec) -> None:
+        self.step_tokens.observe(rec.tokens)
+        self.step_seconds.observe(rec.verify_s)
+        if rec.draft_s:
+            self.draft_seconds.observe(rec.draft_s)
+        self.running.set(rec.rows)
+
+    def finished(self, out) -> None:
+        m = out.method
+        t = {"method": m}
+        self.finished_requests.inc(tags={"method": m, "finish_reason": out.finish_reason or ""})
+        s = out.spec
+        for counter, value in ((self.tokens, len(out.token_ids)), (self.rounds, s.rounds),
+                               (self.drafted, s.drafted), (self.accepted, s.accepted),
+                               (self.rejections, s.rejections)):
+            if value:
+                counter.inc(value, tags=t)

@@ -1,0 +1,167 @@
+"""`specdec bench serve`: a concurrency sweep against the running service, over HTTP.
+
+For each policy (always plain, always speculative at a static k, the router's auto) and
+each concurrency level, N clients send streamed chat requests from mixed prompt sets and
+output lengths. Reported per level: output tokens/s, TTFT and inter-token latency
+p50/p90; as a table, JSON and a PNG plot. Also the HTTP + Serve overhead per request,
+measured as the latency of a 1-token request against the engine's own step time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+
+import httpx
+
+from specdec.bench.prompts import PROMPT_SETS
+from specdec.bench.table import median, percentile, print_table, write_json
+from specdec.progress import Progress
+
+POLICIES = {
+    "plain": lambda k: {"mode": "off"},
+    "speculative": lambda k: {"mode": "on", "method": "draft", "k": k},
+    "router": lambda k: {"mode": "auto"},
+}
+
+
+def _workload(n: int, lengths: list[int]) -> list[tuple[str, int]]:
+    prompts = [p for _, (_, ps) in PROMPT_SETS.items() for p in ps]
+    pairs = itertools.cycle(itertools.product(prompts, lengths))
+    return [next(pairs) for _ in range(n)]
+
+
+async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
+               spec: dict) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "speculative": spec}
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"error": r.status_code}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            now = time.perf_counter()
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                first = first or now
+                last = now
+    total = time.perf_counter() - t0
+    ttft = (first or t0) - t0
+    itl = ((last - first) / (tokens - 1)) if first and last and tokens > 1 else None
+    return {"tokens": tokens, "ttft": ttft, "itl": itl, "latency": total}
+
+
+async def _level(base: str, model: str, policy: str, k: int, clients: int,
+                 per_client: int, lengths: list[int], progress: Progress) -> dict:
+    work = _workload(clients * per_client, lengths)
+    results: list[dict] = []
+
+    async def client_loop(i: int) -> None:
+        async with httpx.AsyncClient(base_url=base, timeout=1800) as c:
+            for j in range(per_client):
+                prompt, n = work[i * per_client + j]
+                results.append(await _one(c, model, prompt, n, POLICIES[policy](k)))
+                progress.advance()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client_loop(i) for i in range(clients)))
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    itls = [r["itl"] for r in ok if r["itl"] is not None]
+    return {"policy": policy, "clients": clients, "requests": len(results),
+            "errors": len(results) - len(ok),
+            "output_tokens_per_s": sum(r["tokens"] for r in ok) / wall,
+            "ttft_p50_s": median([r["ttft"] for r in ok]),
+            "ttft_p90_s": percentile([r["ttft"] for r in ok], 90),
+            "itl_p50_ms": 1000 * median(itls), "itl_p90_ms": 1000 * percentile(itls, 90)}
+
+
+async def _overhead(base: str, model: str, n: int = 20) -> dict:
+    """1-token plain requests: end-to-end HTTP latency vs the engine's own step time."""
+    lat = []
+    async with httpx.AsyncClient(base_url=base, timeout=120) as c:
+        for _ in range(n):
+            t = time.perf_counter()
+            r = await c.post("/v1/completions", json={"model": model, "prompt": "Hi",
+                                                      "max_tokens": 1,
+                                                      "speculative": {"mode": "off"}})
+            r.raise_for_status()
+            lat.append(time.perf_counter() - t)
+        load = (await c.get("/health")).json()["engine"]
+    step = load.get("step_s") or 0.0
+    return {"http_latency_p50_ms": 1000 * median(lat), "engine_step_ms": 1000 * step,
+            "http_plus_serve_overhead_ms": 1000 * (median(lat) - step)}
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for policy in POLICIES:
+        rs = [r for r in rows if r["policy"] == policy]
+        if not rs:
+            continue
+        x = [r["clients"] for r in rs]
+        axes[0].plot(x, [r["output_tokens_per_s"] for r in rs], marker="o", label=policy)
+        axes[1].plot(x, [r["ttft_p50_s"] for r in rs], marker="o", label=policy)
+        axes[2].plot(x, [r["itl_p50_ms"] for r in rs], marker="o", label=policy)
+    for ax, title in zip(axes, ("output tokens/s", "TTFT p50 (s)", "inter-token p50 (ms)"),
+                         strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+def main(args) -> int:
+    levels = args.clients
+    total = len(args.policies) * sum(c * args.requests_per_client for c in levels)
+    progress = Progress("bench serve", total=total, unit=" requests")
+    rows = []
+
+    async def sweep():
+        for policy in args.policies:
+            for c in levels:
+                rows.append(await _level(args.url, args.model, policy, args.k, c,
+                                         args.requests_per_client, args.max_tokens, progress))
+        return await _overhead(args.url, args.model)
+
+    overhead = asyncio.run(sweep())
+    progress.close()
+    for c in levels:
+        at = {r["policy"]: r for r in rows if r["clients"] == c}
+        best_static = max((at[p]["output_tokens_per_s"] for p in ("plain", "speculative")
+                           if p in at), default=None)
+        for r in at.values():
+            if best_static:
+                r["vs_best_static"] = r["output_tokens_per_s"] / best_static
+    print_table(rows, ["policy", "clients", "requests", "errors", "output_tokens_per_s",
+                       "vs_best_static", "ttft_p50_s", "ttft_p90_s", "itl_p50_ms",
+                       "itl_p90_ms"], title=f"{args.url} {args.model}: concurrency sweep")
+    totals = {p: sum(r["output_tokens_per_s"] for r in rows if r["policy"] == p)
+              for p in args.policies}
+    print_table([{"policy": p, "sum_over_levels_tokens_per_s": v} for p, v in totals.items()],
+                ["policy", "sum_over_levels_tokens_per_s"], title="whole sweep")
+    print_table([overhead], list(overhead), title="HTTP + Serve overhead per request")
+    write_json(args.json, rows + [{"overhead": overhead}])
+    if args.plot:
+        _plot(rows, args.plot)
+    return 0
