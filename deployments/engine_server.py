@@ -5,6 +5,7 @@ batching loop on a thread of its own. Requests stream back as async generators."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -47,6 +48,7 @@ class EngineServer:
             proposers["draft"] = self.draft
         self.policy = PolicyConfig(**cfg.policy.model_dump())
         self.acceptance = AcceptanceTracker(self.policy)
+        self.draft_cost: float | None = None
         self.step_cost = StepCostModel()
         self.engine = Engine(self.target, proposers, tok, eos_ids_of(target_path, tok),
                              EngineConfig(max_tokens_per_step=cfg.max_tokens_per_step,
@@ -74,11 +76,23 @@ class EngineServer:
             if self.engine.history:
                 rec = self.engine.history[-1]
                 self.step_cost.observe(rec.tokens, rec.verify_s)
+                self._observe_draft_cost(rec)
                 self.metrics.step(rec)
+
+    def _observe_draft_cost(self, rec) -> None:
+        """c = one draft step / one plain target step, as an moving average. A step's draft
+        time covers max_k sequential draft forwards (rows are batched)."""
+        if not rec.draft_s or not rec.max_k:
+            return
+        fit = self.step_cost.fit()
+        plain_step = (fit[0] + fit[1] * max(rec.rows, 1)) if fit else rec.verify_s
+        c = rec.draft_s / rec.max_k / max(plain_step, 1e-6)
+        self.draft_cost = c if self.draft_cost is None else 0.9 * self.draft_cost + 0.1 * c
+        self.policy = dataclasses.replace(self.policy, draft_cost_ratio=self.draft_cost)
 
     def _choose_k(self, engine: Engine, req: Request, spec, running: int) -> int:
         load = engine.load()
-        k = revisit(self.policy, req.method, req.k, spec.accepted + spec.rejections,
+        k = revisit(self.policy, req.method, req.k, spec.policy_trials,
                     spec.accepted, spec.rounds, self.acceptance.alpha(req.method),
                     Load(load["running"], load["waiting"], max(load["tokens_per_step"], 1.0)),
                     self.step_cost)
@@ -99,7 +113,8 @@ class EngineServer:
 
     def _observe_finished(self, out) -> None:
         if out.method != "none":
-            self.acceptance.observe(out.method, out.spec.accepted, out.spec.rejections)
+            s = out.spec
+            self.acceptance.observe(out.method, s.accepted, s.rejections + s.empty_proposals)
         self.metrics.finished(out)
 
     # ---- the API the router calls ----------------------------------------------------------
@@ -144,7 +159,8 @@ class EngineServer:
             "alpha": {m: self.acceptance.alpha(m) for m in self.engine.proposers},
             "methods": sorted(m for m in self.engine.proposers
                               if m != "draft" or (self.draft and self.draft.available)),
-            "step_cost_fit": fit, "target_failures": self.target.failures,
+            "step_cost_fit": fit, "draft_cost_ratio": self.draft_cost,
+            "target_failures": self.target.failures,
             "draft_failures": self.draft.failures if self.draft else 0,
             "time": time.time(),
         })

@@ -4,6 +4,7 @@ the engine replicas report. The policy itself is specdec.policy; no maths here."
 
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -96,7 +97,10 @@ class RouterServer:
                            f"(available: {methods})", param="speculative.method")
         if spec.mode == "off":
             return Decision("plain", "none", 0, "request asked for plain decoding", 1.0, {})
-        alpha = load.get("alpha", {})
+        alpha = load.get("alpha") or dict(self.policy.acceptance_prior)
+        if load.get("draft_cost_ratio"):
+            self.policy = dataclasses.replace(self.policy,
+                                              draft_cost_ratio=load["draft_cost_ratio"])
         cost = StepCostModel.with_fit(load.get("step_cost_fit"))
         lw = Load(load.get("running", 0), load.get("waiting", 0),
                   max(load.get("tokens_per_step", 1.0), 1.0))

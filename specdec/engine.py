@@ -39,6 +39,7 @@ class StepRecord:
     tokens: int
     draft_s: float
     verify_s: float
+    max_k: int = 0          # the longest draft of the step (draft forwards run in sequence)
 
 
 @dataclasses.dataclass
@@ -138,7 +139,7 @@ class Engine:
         t_verify = time.perf_counter() - t0
         self.steps += 1
         self.history.append(StepRecord(len(rows), sum(len(r.tokens) for r in rows),
-                                       t_draft, t_verify))
+                                       t_draft, t_verify, max(num_draft.values(), default=0)))
         by_id = {r.seq_id: r for r in results}
         for row in rows:
             seq = self._running[row.seq_id]
@@ -214,6 +215,11 @@ class Engine:
             probs = prop.probs[: len(guesses)] if prop and prop.probs is not None and guesses \
                 else None
             num_draft[rid] = len(guesses)
+            if seq.k_now and not guesses:
+                # Asked for guesses, got none (no n-gram match, draft down): for the policy
+                # this opportunity failed like a rejection at the first position.
+                seq.spec.empty_proposals += 1
+                self.totals[seq.req.method].empty_proposals += 1
             rows.append(TargetRow(rid, seq.slot, seq.cached, seq.tokens[seq.cached:] + guesses,
                                   len(guesses), probs, True))
         budget = self.config.max_tokens_per_step - sum(len(r.tokens) for r in rows)

@@ -17,6 +17,7 @@ class SpecCounters:
     drafted: int = 0
     accepted: int = 0
     rejections: int = 0        # rounds that ended in a rejection (not a full acceptance)
+    empty_proposals: int = 0   # rounds that asked for guesses and got none (ran plainly)
     plain_steps: int = 0       # steps that emitted one token without a proposal
     emitted: int = 0
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
@@ -45,6 +46,12 @@ class SpecCounters:
         return 1.0 + self.accepted / self.rounds if self.rounds else None
 
     @property
+    def policy_trials(self) -> int:
+        """Tested guesses (up to each round's first rejection) plus empty proposals, which
+        the policy must count as failures or a proposer that rarely proposes looks good."""
+        return self.accepted + self.rejections + self.empty_proposals
+
+    @property
     def alpha_estimate(self) -> float | None:
         """Per-token acceptance: kept / tested, a guess being tested only up to the first
         rejection of its round."""
@@ -62,7 +69,8 @@ class SpecCounters:
                                 strict=False)]
 
     def add(self, other: SpecCounters) -> None:
-        for f in ("rounds", "drafted", "accepted", "rejections", "plain_steps", "emitted", "draft_s",
+        for f in ("rounds", "drafted", "accepted", "rejections", "empty_proposals",
+                  "plain_steps", "emitted", "draft_s",
                   "verify_s"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for mine, theirs in ((self.accepted_per_position, other.accepted_per_position),
@@ -75,7 +83,8 @@ class SpecCounters:
     def as_dict(self) -> dict:
         return {
             "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
-            "plain_steps": self.plain_steps, "emitted": self.emitted,
+            "plain_steps": self.plain_steps, "empty_proposals": self.empty_proposals,
+            "emitted": self.emitted,
             "mean_acceptance_length": self.mean_acceptance_length,
             "draft_acceptance_ratio": self.draft_acceptance_ratio,
             "alpha_estimate": self.alpha_estimate,
