@@ -41,7 +41,7 @@ class EngineMetrics:
     def step(self, rec) -> None:
         self.step_tokens.observe(rec.tokens)
         self.step_seconds.observe(rec.verify_s)
-        if rec.draft_s:
+        if rec.max_k:  # only steps that drafted
             self.draft_seconds.observe(rec.draft_s)
         self.running.set(rec.rows)
 

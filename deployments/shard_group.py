@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 import ray
 from ray.util.placement_group import PlacementGroup
@@ -30,6 +31,7 @@ class ShardGroup:
         self.followers: list = []
         self.stats: list[dict] = []
         self.generation = 0  # how many times the group was (re)built
+        self._uid = uuid.uuid4().hex[:8]
 
     @property
     def leader(self):
@@ -37,8 +39,10 @@ class ShardGroup:
 
     def _options(self, rank: int) -> dict:
         res = self.cfg.resources
+        # Named so operators (and tests) can find a replica's shards: specdec-<role>-<id>-r<rank>
         opts: dict = {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus,
-                      "resources": res.resources or None, "max_restarts": 0}
+                      "resources": res.resources or None, "max_restarts": 0,
+                      "name": f"specdec-{self.role}-{self._uid}-g{self.generation}-r{rank}"}
         if self.runtime.gloo_socket_ifname:
             opts["runtime_env"] = {"env_vars": {"GLOO_SOCKET_IFNAME":
                                                 self.runtime.gloo_socket_ifname}}

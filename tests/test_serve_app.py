@@ -212,6 +212,40 @@ def test_client_disconnect_frees_its_slot(server):
     raise AssertionError("the abandoned request kept its slot")
 
 
+def test_lost_target_gives_503_then_serves_again(server):
+    import ray
+
+    client, base = server
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith("specdec-target-")]
+    assert names, "no target shard actors found"
+    latest = max(names, key=lambda n: int(n.split("-g")[1].split("-")[0]))
+    ns = next(a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["name"] == latest)
+    box = {}
+
+    def long_request():
+        with httpx.Client(base_url=base, timeout=300) as c:
+            box["r"] = c.post("/v1/completions", json={
+                "model": MODEL, "prompt": "Write a very long essay:", "max_tokens": 400,
+                "speculative": {"mode": "off"}})
+
+    import threading
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.monotonic() + 30
+    while client.get("/health").json()["engine"]["running"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    ray.kill(ray.get_actor(latest, namespace=ns), no_restart=True)
+    t.join(timeout=200)
+    r = box["r"]
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "engine_unavailable"
+    assert complete(client, prompt="back again?", max_tokens=4).status_code == 200
+
+
 def test_bad_config_fails_at_deploy_time_naming_the_field(smollm2_path):
     args = app_args(smollm2_path)
     args["target"] = dict(args["target"], tp=0)
