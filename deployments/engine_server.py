@@ -123,6 +123,7 @@ class EngineServer:
         """payload: prompt_ids, params (SamplingParams fields), method, k, fixed_k.
         Yields chunks as tokens are accepted; the last one has finished=True."""
         rid = payload.get("request_id") or uuid.uuid4().hex
+        started = time.perf_counter()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = (loop, queue)
@@ -142,6 +143,9 @@ class EngineServer:
             self._wake.set()
             while True:
                 chunk = await queue.get()
+                if chunk["finished"]:
+                    # Time inside the engine replica, so callers can tell HTTP/Serve overhead.
+                    chunk["engine_s"] = time.perf_counter() - started
                 yield chunk
                 if chunk["finished"]:
                     return

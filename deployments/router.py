@@ -146,6 +146,7 @@ class RouterServer:
     def _spec_report(decision: Decision, final: dict) -> dict:
         s = final.get("spec") or {}
         return {"mode": decision.mode, "method": decision.method, "k": decision.k,
+                "engine_s": final.get("engine_s"),
                 "k_last_round": final.get("k"), "reason": decision.reason,
                 "inputs": decision.inputs, "expected_speedup": round(decision.expected_speedup, 3),
                 **{key: s.get(key) for key in ("rounds", "drafted", "accepted",
