@@ -154,6 +154,43 @@ class RouterServer:
                                                "draft_acceptance_ratio", "alpha_estimate",
                                                "per_position_acceptance", "plain_steps")}}
 
+    async def _respond(self, req, payload: dict, decision: Decision, chat: bool):
+        """The OpenAI response for completions or chat, streamed (SSE) or whole."""
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{payload['request_id']}",
+                "created": int(time.time()), "model": self.model_name}
+        if req.stream:
+            obj = "chat.completion.chunk" if chat else "text_completion"
+
+            def chunk(c, usage_only=False, decision=None):
+                body = {**head, "object": obj, "choices": []}
+                if usage_only:
+                    body["usage"] = _usage(c)
+                    body["spec_decode"] = self._spec_report(decision, c)
+                elif chat:
+                    delta = {"content": c["text"]} if c.get("text") else {}
+                    body["choices"] = [{"index": 0, "delta": delta,
+                                        "finish_reason": c.get("finish_reason")}]
+                else:
+                    body["choices"] = [{"index": 0, "text": c.get("text", ""), "logprobs": None,
+                                        "finish_reason": c.get("finish_reason")}]
+                return body
+
+            # Chat streams open with the assistant's role, as OpenAI's do.
+            first = {**head, "object": obj, "choices": [{
+                "index": 0, "delta": {"role": "assistant", "content": ""},
+                "finish_reason": None}]} if chat else None
+            inc = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._sse(payload, decision, chunk, first, inc),
+                                     media_type="text/event-stream")
+        text, final = await self._collect(payload)
+        reason = final.get("finish_reason")
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "finish_reason": reason} if chat else \
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return {**head, "object": "chat.completion" if chat else "text_completion",
+                "choices": [choice], "usage": _usage(final),
+                "spec_decode": self._spec_report(decision, final)}
+
     def _stream(self, payload: dict):
         return self.engine.options(stream=True).generate.remote(payload)
 
@@ -260,27 +297,7 @@ class Router(RouterServer):
                 raise APIError(400, f"prompt holds token ids outside the vocabulary: {bad[:5]}",
                                param="prompt")
         payload, decision = self._prepare(req, ids, "prompt")
-        rid, created = f"cmpl-{payload['request_id']}", int(time.time())
-        if req.stream:
-            def chunk(c, usage_only=False, decision=None):
-                body = {"id": rid, "object": "text_completion", "created": created,
-                        "model": self.model_name, "choices": []}
-                if usage_only:
-                    body["usage"] = _usage(c)
-                    body["spec_decode"] = self._spec_report(decision, c)
-                else:
-                    body["choices"] = [{"index": 0, "text": c.get("text", ""), "logprobs": None,
-                                        "finish_reason": c.get("finish_reason")}]
-                return body
-            inc = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._sse(payload, decision, chunk, None, inc),
-                                     media_type="text/event-stream")
-        text, final = await self._collect(payload)
-        return {"id": rid, "object": "text_completion", "created": created,
-                "model": self.model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": None,
-                             "finish_reason": final.get("finish_reason")}],
-                "usage": _usage(final), "spec_decode": self._spec_report(decision, final)}
+        return await self._respond(req, payload, decision, chat=False)
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request):
@@ -294,29 +311,4 @@ class Router(RouterServer):
             raise APIError(400, f"messages could not be formatted: {exc}",
                            param="messages") from exc
         payload, decision = self._prepare(req, list(ids), "messages")
-        rid, created = f"chatcmpl-{payload['request_id']}", int(time.time())
-        if req.stream:
-            def chunk(c, usage_only=False, decision=None):
-                body = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                        "model": self.model_name, "choices": []}
-                if usage_only:
-                    body["usage"] = _usage(c)
-                    body["spec_decode"] = self._spec_report(decision, c)
-                else:
-                    delta = {"content": c.get("text", "")} if c.get("text") else {}
-                    body["choices"] = [{"index": 0, "delta": delta,
-                                        "finish_reason": c.get("finish_reason")}]
-                return body
-            first = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                     "model": self.model_name, "choices": [{
-                         "index": 0, "delta": {"role": "assistant", "content": ""},
-                         "finish_reason": None}]}
-            inc = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._sse(payload, decision, chunk, first, inc),
-                                     media_type="text/event-stream")
-        text, final = await self._collect(payload)
-        return {"id": rid, "object": "chat.completion", "created": created,
-                "model": self.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": final.get("finish_reason")}],
-                "usage": _usage(final), "spec_decode": self._spec_report(decision, final)}
+        return await self._respond(req, payload, decision, chat=True)
