@@ -60,6 +60,8 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOverride = Field(default_factory=SpeculativeOverride)
+    # vLLM's extension: generate exactly max_tokens (benchmarks, fixed-length tests).
+    ignore_eos: bool = False
     # Defined by OpenAI, not implemented here: refused unless left at their defaults.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

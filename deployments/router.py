@@ -136,7 +136,8 @@ class RouterServer:
         payload = {
             "request_id": uuid.uuid4().hex, "prompt_ids": prompt_ids,
             "params": {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
-                       "seed": req.seed, "max_tokens": max_tokens, "stop": tuple(req.stop or ())},
+                       "seed": req.seed, "max_tokens": max_tokens, "stop": tuple(req.stop or ()),
+                       "ignore_eos": req.ignore_eos},
             "method": decision.method, "k": decision.k,
             "fixed_k": req.speculative.k is not None or req.speculative.mode == "off",
         }

@@ -118,11 +118,14 @@ def test_sse_wire_format_ends_with_done(server):
     client, _ = server
     with client.stream("POST", "/v1/completions", json={
             "model": MODEL, "prompt": "Hello", "max_tokens": 8, "stream": True,
-            "stream_options": {"include_usage": True}}) as r:
+            "ignore_eos": True, "stream_options": {"include_usage": True}}) as r:
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
     last = json.loads(lines[-2][len("data: "):])
+    # ignore_eos fixes the count: a sampled continuation may otherwise end early on EOS.
     assert last["usage"]["completion_tokens"] == 8 and last["choices"] == []
+    finals = [json.loads(ln[len("data: "):]) for ln in lines[:-2]]
+    assert finals[-1]["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize("body,status,param", [
@@ -200,7 +203,7 @@ def test_client_disconnect_frees_its_slot(server):
     with httpx.Client(base_url=base, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json={
                 "model": MODEL, "prompt": "Tell a long story:", "max_tokens": 400,
-                "stream": True, "speculative": {"mode": "off"}}) as r:
+                "ignore_eos": True, "stream": True, "speculative": {"mode": "off"}}) as r:
             for i, _ in enumerate(r.iter_lines()):
                 if i >= 3:
                     break  # leave mid-stream
@@ -228,7 +231,7 @@ def test_lost_target_gives_503_then_serves_again(server):
         with httpx.Client(base_url=base, timeout=300) as c:
             box["r"] = c.post("/v1/completions", json={
                 "model": MODEL, "prompt": "Write a very long essay:", "max_tokens": 400,
-                "speculative": {"mode": "off"}})
+                "ignore_eos": True, "speculative": {"mode": "off"}})
 
     import threading
 
