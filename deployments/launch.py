@@ -22,8 +22,9 @@ from specdec.proposers import NgramProposer, check_same_tokenizer
 
 
 @contextlib.contextmanager
-def local_ray(num_cpus: int):
-    """A Ray of our own: never joins or stops anyone else's cluster."""
+def local_ray(num_cpus: int, metrics_export_port: int | None = None):
+    """A Ray of our own: never joins or stops anyone else's cluster. With a metrics port,
+    Prometheus text (ray_specdec_* included) is served on it."""
     import socket
 
     tmp = tempfile.mkdtemp(prefix="sdray-", dir="/tmp")
@@ -31,7 +32,7 @@ def local_ray(num_cpus: int):
         s.bind(("127.0.0.1", 0))
         dashboard_port = s.getsockname()[1]
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _temp_dir=tmp,
-             dashboard_port=dashboard_port,
+             dashboard_port=dashboard_port, _metrics_export_port=metrics_export_port,
              log_to_driver=False, runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}})
     try:
         yield

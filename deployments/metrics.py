@@ -55,3 +55,38 @@ class EngineMetrics:
                                (self.rejections, s.rejections)):
             if value:
                 counter.inc(value, tags=t)
+
+
+class RouterMetrics:
+    """Every routing decision and the inputs it was made from, so a dashboard can show why
+    traffic went plain or speculative (the response's spec_decode shows it per request)."""
+
+    def __init__(self) -> None:
+        self.decisions = Counter(
+            "specdec_router_decisions", "routing decisions by outcome and reason",
+            tag_keys=("mode", "method", "k", "why"))
+        self.expected_speedup = Histogram(
+            "specdec_router_expected_speedup", "policy's expected goodput over plain",
+            boundaries=[1.0, 1.1, 1.25, 1.5, 2, 2.5, 3, 4])
+        self.expected_tokens = Histogram(
+            "specdec_router_expected_tokens", "expected completion length used by the policy",
+            boundaries=[8, 16, 32, 64, 128, 256, 512, 1024, 2048])
+        self.alpha = Gauge("specdec_router_alpha", "acceptance alpha the policy used",
+                           tag_keys=("method",))
+        self.draft_cost_ratio = Gauge("specdec_router_draft_cost_ratio",
+                                      "draft step / target step the policy used")
+
+    def decided(self, d) -> None:
+        self.decisions.inc(tags={"mode": d.mode, "method": d.method, "k": str(d.k),
+                                 "why": d.why})
+        self.expected_speedup.observe(d.expected_speedup)
+        expected = d.inputs.get("expected_tokens")
+        if expected is not None:
+            self.expected_tokens.observe(expected)
+
+    def policy_inputs(self, alpha: dict[str, float], draft_cost_ratio: float) -> None:
+        """Called on every load poll: a gauge set once, right after it is created, can be
+        lost before Ray's exporter knows it; refreshing it each second keeps it live."""
+        for method, a in alpha.items():
+            self.alpha.set(a, tags={"method": method})
+        self.draft_cost_ratio.set(draft_cost_ratio)

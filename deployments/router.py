@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from ray import serve
 
 from deployments.app_config import AppArgs
+from deployments.metrics import RouterMetrics
 from deployments.openai_api import (
     APIError,
     ChatCompletionRequest,
@@ -53,6 +54,7 @@ class RouterServer:
         self.max_len = self.args.runtime.max_len
         self.load: dict = {}
         self._poller: asyncio.Task | None = None
+        self.metrics = RouterMetrics()
 
     # ---- live load ------------------------------------------------------------------------
 
@@ -62,6 +64,9 @@ class RouterServer:
                 self.load = await self.engine.load.remote()
             except Exception as exc:  # noqa: BLE001 - an engine restarting; keep the last
                 log.warning("engine load poll failed: %s", exc)
+            self.metrics.policy_inputs(
+                self.load.get("alpha") or dict(self.policy.acceptance_prior),
+                self.load.get("draft_cost_ratio") or self.policy.draft_cost_ratio)
             await asyncio.sleep(1.0)
 
     def _ensure_poller(self) -> None:
@@ -96,7 +101,8 @@ class RouterServer:
                            f"speculative.method {spec.method!r} is not available "
                            f"(available: {methods})", param="speculative.method")
         if spec.mode == "off":
-            return Decision("plain", "none", 0, "request asked for plain decoding", 1.0, {})
+            return Decision("plain", "none", 0, "request asked for plain decoding", 1.0, {},
+                            "request")
         alpha = load.get("alpha") or dict(self.policy.acceptance_prior)
         if load.get("draft_cost_ratio"):
             self.policy = dataclasses.replace(self.policy,
@@ -113,6 +119,7 @@ class RouterServer:
                 d = decide(self.policy, [method], alpha, float("inf"), lw, cost,
                            forced_method=method, forced_k=min(4, self.policy.k_max))
             d.reason = "request asked for speculation; " + d.reason
+            d.why = "request"
             return d
         return decide(self.policy, methods, alpha, expected, lw, cost,
                       forced_method=spec.method, forced_k=spec.k)
@@ -133,6 +140,7 @@ class RouterServer:
                                param="max_tokens", code="context_length_exceeded")
             max_tokens = self.max_len - len(prompt_ids)  # default shrinks to what fits
         decision = self._decide(req, len(prompt_ids), max_tokens)
+        self.metrics.decided(decision)
         payload = {
             "request_id": uuid.uuid4().hex, "prompt_ids": prompt_ids,
             "params": {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,

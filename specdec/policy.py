@@ -138,6 +138,8 @@ class Decision:
     reason: str
     expected_speedup: float
     inputs: dict
+    # A short label of the reason, for metrics (the reason text carries the numbers).
+    why: str = "goodput"
 
 
 def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
@@ -149,12 +151,14 @@ def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
               "waiting": load.waiting, "tokens_per_step": round(load.tokens_per_step, 2),
               "alpha": {m: round(a, 3) for m, a in alpha.items()}}
     if not methods:
-        return Decision("plain", "none", 0, "no proposer available", 1.0, inputs)
+        return Decision("plain", "none", 0, "no proposer available", 1.0, inputs,
+                        "no_proposer")
     if expected_tokens < config.min_expected_tokens and forced_k is None:
         return Decision("plain", "none", 0, f"short output expected ({expected_tokens:.0f} "
-                        f"< {config.min_expected_tokens} tokens)", 1.0, inputs)
+                        f"< {config.min_expected_tokens} tokens)", 1.0, inputs,
+                        "short_output")
     best = Decision("plain", "none", 0, "no k beats plain decoding at this load and acceptance",
-                    1.0, inputs)
+                    1.0, inputs, "no_gain")
     candidates = [forced_method] if forced_method else methods
     base = max(load.tokens_per_step, 1.0)
     # Each row of the batch drafts too, so verify grows by k per speculative row.
@@ -168,11 +172,11 @@ def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
             if forced_k is not None or s > best.expected_speedup:
                 best = Decision("speculative", m, k, f"best expected goodput: {s:.2f}x plain "
                                 f"(alpha {alpha.get(m, 0.5):.2f}, c {c:.2f}, v {v:.2f})",
-                                s, inputs)
+                                s, inputs, "forced" if forced_k is not None else "goodput")
     if best.mode == "speculative" and forced_k is None and \
             best.expected_speedup < config.min_speedup:
         return Decision("plain", "none", 0, f"best speculation only {best.expected_speedup:.2f}x",
-                        best.expected_speedup, inputs)
+                        best.expected_speedup, inputs, "no_gain")
     return best
 
 

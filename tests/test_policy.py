@@ -32,21 +32,21 @@ def compute_bound_cost() -> StepCostModel:
 
 def test_short_outputs_go_plain():
     d = decide(CFG, ["draft"], {"draft": 0.9}, 4, Load(running=1), flat_cost())
-    assert d.mode == "plain" and "short output" in d.reason
+    assert d.mode == "plain" and "short output" in d.reason and d.why == "short_output"
 
 
 def test_good_acceptance_at_light_load_speculates_with_the_cost_model_k():
     d = decide(CFG, ["draft", "ngram"], {"draft": 0.9, "ngram": 0.2}, 200, Load(running=1),
                flat_cost())
     k, s = best_k(0.9, CFG.draft_cost_ratio, CFG.k_max, 1.0)
-    assert (d.mode, d.method, d.k) == ("speculative", "draft", k)
+    assert (d.mode, d.method, d.k, d.why) == ("speculative", "draft", k, "goodput")
     assert abs(d.expected_speedup - s) < 1e-9 and s > 1.5
 
 
 def test_heavy_compute_bound_load_goes_plain():
     d = decide(CFG, ["draft"], {"draft": 0.8}, 200, Load(running=16, tokens_per_step=16),
                compute_bound_cost())
-    assert d.mode == "plain"
+    assert d.mode == "plain" and d.why == "no_gain"
 
 
 def test_load_shrinks_k_before_turning_speculation_off():

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import re
 import socket
 import time
 
@@ -39,15 +41,29 @@ def app_args(smollm2_path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
+def metrics_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path, metrics_port):
     port = free_port()
-    with local_ray(num_cpus=4):
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(app_args(smollm2_path)), name="specdec", route_prefix="/")
-        base = f"http://127.0.0.1:{port}"
-        with httpx.Client(base_url=base, timeout=120) as client:
-            yield client, base
-        serve.shutdown()
+    # Metrics reach the export port within ~1 s instead of ~10 s.
+    old = os.environ.get("RAY_metrics_report_interval_ms")
+    os.environ["RAY_metrics_report_interval_ms"] = "1000"
+    try:
+        with local_ray(num_cpus=4, metrics_export_port=metrics_port):
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            serve.run(build_app(app_args(smollm2_path)), name="specdec", route_prefix="/")
+            base = f"http://127.0.0.1:{port}"
+            with httpx.Client(base_url=base, timeout=120) as client:
+                yield client, base
+            serve.shutdown()
+    finally:
+        if old is None:
+            os.environ.pop("RAY_metrics_report_interval_ms", None)
+        else:
+            os.environ["RAY_metrics_report_interval_ms"] = old
 
 
 def complete(client, **body):
@@ -247,6 +263,72 @@ def test_lost_target_gives_503_then_serves_again(server):
     assert r.status_code == 503, r.text
     assert r.json()["error"]["code"] == "engine_unavailable"
     assert complete(client, prompt="back again?", max_tokens=4).status_code == 200
+
+
+def scrape(port: int) -> dict[tuple[str, frozenset], float]:
+    """Prometheus text -> {(name, labels): value} for our series."""
+    out = {}
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
+        m = re.match(r"^(ray_specdec_\w+)\{(.*)\} (\S+)$", line)
+        if m:
+            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            out[(m.group(1), labels)] = float(m.group(3))
+    return out
+
+
+def sum_of(series: dict, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in series.items() if n == name and set(labels.items()) <= ls)
+
+
+def test_decisions_and_acceptance_reach_prometheus(server, metrics_port):
+    client, _ = server
+    on = complete(client, prompt="def add(a, b):", max_tokens=24, temperature=0,
+                  speculative={"mode": "on", "method": "draft", "k": 3}).json()
+    off = complete(client, prompt="def add(a, b):", max_tokens=24, temperature=0,
+                   speculative={"mode": "off"}).json()
+    assert on["spec_decode"]["accepted"] > 0 and off["spec_decode"]["rounds"] == 0
+
+    # Series reach the export port about a second late: wait for all of them.
+    want = {
+        "speculative decision": lambda s: sum_of(s, "ray_specdec_router_decisions_total",
+                                                 mode="speculative", method="draft", k="3",
+                                                 why="request") >= 1,
+        "plain decision": lambda s: sum_of(s, "ray_specdec_router_decisions_total",
+                                           mode="plain", why="request") >= 1,
+        "accepted tokens": lambda s: sum_of(s, "ray_specdec_spec_accepted_tokens_total",
+                                            method="draft") >= on["spec_decode"]["accepted"],
+        "draft alpha": lambda s: sum_of(s, "ray_specdec_router_alpha", method="draft") > 0,
+        "step times": lambda s: sum_of(s, "ray_specdec_step_seconds_count") > 0,
+    }
+    deadline = time.monotonic() + 30
+    while missing := [name for name, ok in want.items() if not ok(scrape(metrics_port))]:
+        assert time.monotonic() < deadline, f"never exported: {missing}"
+        time.sleep(1)
+
+
+def test_bench_serve_sweeps_the_three_policies(server, tmp_path):
+    import subprocess
+    import sys
+
+    _, base = server
+    out = tmp_path / "serve.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "bench", "serve", "--url", base, "--model", MODEL,
+         "--clients", "1", "2", "--requests-per-client", "1", "--max-tokens", "12", "--k", "3",
+         "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())
+    levels = {(r["policy"], r["clients"]): r for r in rows if "policy" in r}
+    assert set(levels) == {(p, c) for p in ("plain", "speculative", "router") for c in (1, 2)}
+    for (_, clients), r in levels.items():
+        assert r["errors"] == 0 and r["requests"] == clients and r["output_tokens_per_s"] > 0
+        assert r["ttft_p50_s"] > 0 and r["itl_p50_ms"] > 0
+    assert levels[("plain", 2)]["speculative_share"] == 0
+    assert levels[("speculative", 2)]["speculative_share"] == 1
+    assert levels[("speculative", 2)]["k_mean"] == 3
+    overhead = next(r["overhead"] for r in rows if "overhead" in r)
+    assert overhead["http_latency_p50_ms"] > overhead["engine_p50_ms"] > 0
+    assert "whole sweep" in done.stdout
 
 
 def test_bad_config_fails_at_deploy_time_naming_the_field(smollm2_path):

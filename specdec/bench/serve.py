@@ -41,6 +41,7 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: i
     t0 = time.perf_counter()
     first = last = None
     tokens = 0
+    decision = {}
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             return {"error": r.status_code}
@@ -51,13 +52,16 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: i
             now = time.perf_counter()
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+                decision = chunk.get("spec_decode") or {}
             elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 first = first or now
                 last = now
     total = time.perf_counter() - t0
     ttft = (first or t0) - t0
     itl = ((last - first) / (tokens - 1)) if first and last and tokens > 1 else None
-    return {"tokens": tokens, "ttft": ttft, "itl": itl, "latency": total}
+    return {"tokens": tokens, "ttft": ttft, "itl": itl, "latency": total,
+            "mode": decision.get("mode"), "method": decision.get("method"),
+            "k": decision.get("k"), "k_last": decision.get("k_last_round")}
 
 
 async def _level(base: str, model: str, policy: str, k: int, clients: int,
@@ -77,12 +81,17 @@ async def _level(base: str, model: str, policy: str, k: int, clients: int,
     wall = time.perf_counter() - t0
     ok = [r for r in results if "error" not in r]
     itls = [r["itl"] for r in ok if r["itl"] is not None]
+    spec = [r for r in ok if r["mode"] == "speculative"]
     return {"policy": policy, "clients": clients, "requests": len(results),
             "errors": len(results) - len(ok),
             "output_tokens_per_s": sum(r["tokens"] for r in ok) / wall,
             "ttft_p50_s": median([r["ttft"] for r in ok]),
             "ttft_p90_s": percentile([r["ttft"] for r in ok], 90),
-            "itl_p50_ms": 1000 * median(itls), "itl_p90_ms": 1000 * percentile(itls, 90)}
+            "itl_p50_ms": 1000 * median(itls), "itl_p90_ms": 1000 * percentile(itls, 90),
+            # What the policy chose: share of requests speculated, and their k.
+            "speculative_share": len(spec) / len(ok) if ok else 0.0,
+            "ngram_share": sum(r["method"] == "ngram" for r in spec) / len(ok) if ok else 0.0,
+            "k_mean": sum(r["k"] for r in spec) / len(spec) if spec else 0.0}
 
 
 async def _overhead(base: str, model: str, n: int = 20) -> dict:
@@ -140,8 +149,10 @@ def main(args) -> int:
     rows = []
 
     async def sweep():
-        for policy in args.policies:
-            for c in levels:
+        # Level-major: the policies at one level run back to back, under the same machine
+        # conditions, so their ratio is fair even when the machine drifts over the sweep.
+        for c in levels:
+            for policy in args.policies:
                 rows.append(await _level(args.url, args.model, policy, args.k, c,
                                          args.requests_per_client, args.max_tokens, progress))
         return await _overhead(args.url, args.model)
@@ -157,7 +168,8 @@ def main(args) -> int:
                 r["vs_best_static"] = r["output_tokens_per_s"] / best_static
     print_table(rows, ["policy", "clients", "requests", "errors", "output_tokens_per_s",
                        "vs_best_static", "ttft_p50_s", "ttft_p90_s", "itl_p50_ms",
-                       "itl_p90_ms"], title=f"{args.url} {args.model}: concurrency sweep")
+                       "itl_p90_ms", "speculative_share", "ngram_share", "k_mean"],
+                title=f"{args.url} {args.model}: concurrency sweep")
     totals = {p: sum(r["output_tokens_per_s"] for r in rows if r["policy"] == p)
               for p in args.policies}
     print_table([{"policy": p, "sum_over_levels_tokens_per_s": v} for p, v in totals.items()],
