@@ -37,6 +37,8 @@ class ModelGroupConfig(BaseModel):
 class DraftGroupConfig(ModelGroupConfig):
     sampling: Literal["probabilistic", "greedy"] = "probabilistic"
     vocab_limit: int | None = Field(None, ge=1)
+    # Stop drafting a row early once the draft's probability of its guess is below this.
+    confidence_threshold: float | None = Field(None, ge=0.0, lt=1.0)
 
 
 class GroupRuntimeConfig(BaseModel):

@@ -26,7 +26,8 @@ class RayDraftProposer:
     def __init__(self, cfg: DraftGroupConfig, runtime: GroupRuntimeConfig,
                  placement_group=None, bundle_indices: list[int] | None = None) -> None:
         self.group = ShardGroup("draft", cfg, runtime, placement_group, bundle_indices,
-                                extra={"sampling": cfg.sampling, "vocab_limit": cfg.vocab_limit})
+                                extra={"sampling": cfg.sampling, "vocab_limit": cfg.vocab_limit,
+                                       "confidence_threshold": cfg.confidence_threshold})
         self.runtime = runtime
         self.stats = self.group.start()
         self._accepted: dict[str, int] = {}

@@ -68,7 +68,8 @@ class ModelShard:
             else:
                 self.proposer = DraftModelProposer(leader, self.max_slots, self.max_len,
                                                    self.extra.get("sampling", "probabilistic"),
-                                                   self.extra.get("vocab_limit"))
+                                                   self.extra.get("vocab_limit"),
+                                                   self.extra.get("confidence_threshold"))
         weights = sum(t.numel() * t.element_size() for layer in local.layers
                       for t in layer.w.values() if t is not None)
         weights += sum(t.numel() * t.element_size()

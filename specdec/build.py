@@ -27,6 +27,7 @@ class LocalEngineSpec:
     max_len: int = 2048
     draft_sampling: Literal["probabilistic", "greedy"] = "probabilistic"
     draft_vocab_limit: int | None = None  # draft guesses only among the first N token ids
+    draft_confidence: float | None = None  # a draft stops early below this confidence
     ngram_min: int = 2
     ngram_max: int = 5
 
@@ -56,7 +57,8 @@ def build_local_engine(spec: LocalEngineSpec, **engine_kw) -> tuple[Engine, obje
         check_same_tokenizer(target_path, draft_path)
         draft = Decoder.from_checkpoint(draft_path, dtype, spec.device)
         proposers["draft"] = DraftModelProposer(draft, spec.max_slots, spec.max_len,
-                                                spec.draft_sampling, spec.draft_vocab_limit)
+                                                spec.draft_sampling, spec.draft_vocab_limit,
+                                                spec.draft_confidence)
     runner = LocalTargetRunner(target, spec.max_slots, spec.max_len)
     engine = Engine(runner, proposers, tok, eos_ids_of(target_path, tok),
                     engine_kw.pop("config", None) or EngineConfig(), **engine_kw)

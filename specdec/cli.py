@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     b_dec.add_argument("--device", default="cpu", help="cpu or cuda")
     b_dec.add_argument("--draft-vocab-limit", type=int, default=None,
                        help="the draft guesses only among the first N token ids")
+    b_dec.add_argument("--draft-confidence", type=float, nargs="*", default=[],
+                       help="also run the draft with this early-stop confidence threshold")
+    b_dec.add_argument("--confidence-k", type=int, default=8,
+                       help="k cap of the --draft-confidence rows")
     b_dec.add_argument("--sets", nargs="+", default=["code", "prose", "chat_code"])
     b_dec.add_argument("--prompts-per-set", type=int, default=2)
     b_dec.add_argument("--no-hf", action="store_true", help="skip the transformers rows")

@@ -93,15 +93,24 @@ class DraftModelProposer:
 
     sampling="probabilistic" samples each guess from the warped draft distribution and sends
     q; "greedy" proposes the draft's argmax and sends only token ids (one-hot q).
+
+    confidence_threshold: a row stops drafting (before its k) once the draft's probability
+    of its own latest guess falls below it; that guess is still proposed. Guesses after an
+    unsure one are rarely accepted, and each costs a draft forward. Exact: the length of a
+    proposal depends only on the draft's side, never on the target's verdict.
     """
 
     name = "draft"
 
     def __init__(self, model: Decoder, max_slots: int, max_len: int,
                  sampling: Literal["probabilistic", "greedy"] = "probabilistic",
-                 vocab_limit: int | None = None) -> None:
+                 vocab_limit: int | None = None,
+                 confidence_threshold: float | None = None) -> None:
         if sampling not in ("probabilistic", "greedy"):
             raise ValueError("draft sampling must be 'probabilistic' or 'greedy'")
+        if confidence_threshold is not None and not 0.0 <= confidence_threshold < 1.0:
+            raise ValueError("draft confidence_threshold must be in [0, 1)")
+        self.confidence_threshold = confidence_threshold or None
         if vocab_limit is not None:
             if not 0 < vocab_limit <= model.cfg.vocab_size:
                 raise ValueError(f"draft vocab_limit must be in 1..{model.cfg.vocab_size}")
@@ -155,12 +164,13 @@ class DraftModelProposer:
             else:
                 probs = warp_probs(logits, [dparams[b] for b in live])
                 picks = sample(probs, [seqs[b].generator for b in live]).tolist()
+            sure = self._sure(logits, probs, picks)
             next_rows, next_live = [], []
             for j, b in enumerate(live):
                 tokens[b].append(picks[j])
                 if probs is not None:
                     qs[b].append(probs[j])
-                if step + 1 < inputs[b].k:
+                if step + 1 < inputs[b].k and sure[j]:
                     pos = len(inputs[b].context) + step
                     next_rows.append((seqs[b].slot, pos, [picks[j]]))
                     next_live.append(b)
@@ -173,6 +183,18 @@ class DraftModelProposer:
             one_hot = self.sampling == "greedy" or inp.params.greedy or not qs[b]
             out[inp.seq_id] = Proposal(tokens[b], None if one_hot else torch.stack(qs[b]))
         return [out[i.seq_id] for i in requested]
+
+    def _sure(self, logits: torch.Tensor, probs: torch.Tensor | None,
+              picks: list[int]) -> list[bool]:
+        """Whether each row's draft is confident enough in its latest guess to go on."""
+        if self.confidence_threshold is None:
+            return [True] * len(picks)
+        idx = torch.tensor(picks, device=logits.device).unsqueeze(1)
+        if probs is None:  # greedy: the draft's own softmax probability of its argmax
+            conf = torch.softmax(logits.float(), -1).gather(1, idx)
+        else:              # sampled: q of the sampled token, under the request's warp
+            conf = probs.gather(1, idx)
+        return (conf.squeeze(1) >= self.confidence_threshold).tolist()
 
     def accepted(self, seq_id: str, valid_len: int) -> None:
         s = self._seqs.get(seq_id)

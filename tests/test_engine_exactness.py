@@ -58,6 +58,22 @@ def test_draft_with_a_limited_vocabulary_stays_exact(pair):
         assert engine.totals["draft"].accepted > 0
 
 
+@pytest.mark.parametrize("draft_sampling", ["probabilistic", "greedy"])
+def test_draft_confidence_stop_stays_exact_and_shortens_proposals(pair, draft_sampling):
+    target, draft = pair
+    prompts = random_prompts(PROMPT_LENGTHS, seed=33)
+    expected = plain_reference(target, prompts)
+    k = 6
+    engine = make_engine(target, draft, draft_sampling=draft_sampling, draft_confidence=0.1)
+    out = engine.run(requests(prompts, greedy(), "draft", k))
+    for i, e in enumerate(expected):
+        assert out[f"r{i}"].token_ids == e, f"prompt {i}"
+    spec = engine.totals["draft"]
+    # Some rounds stopped early and some went on: both paths of the stop were taken.
+    assert spec.rounds <= spec.drafted - 1 and spec.drafted < k * spec.rounds
+    assert spec.accepted > 0
+
+
 def test_ngram_speculation_is_token_identical(pair):
     target, _ = pair
     # Repetitive prompts so prompt lookup finds matches.
@@ -108,29 +124,33 @@ def contingency_pvalue(a: collections.Counter, b: collections.Counter) -> float:
     return chi2_contingency(table).pvalue
 
 
-@pytest.mark.parametrize("draft_sampling,temperature,draft_fixture", [
+@pytest.mark.parametrize("draft_sampling,temperature,draft_fixture,confidence", [
     # A draft that often disagrees, so rejections (and the residual draw) are common.
-    ("probabilistic", 1.0, "tiny_llama_far_draft"),
+    ("probabilistic", 1.0, "tiny_llama_far_draft", None),
     # One-hot q from a greedy draft: the close draft keeps acceptance reasonable.
-    ("greedy", 0.8, "tiny_llama_draft"),
+    ("greedy", 0.8, "tiny_llama_draft", None),
+    # Proposal lengths that depend on the draft's own sampled guesses.
+    ("probabilistic", 1.0, "tiny_llama_far_draft", 0.05),
 ])
 @pytest.mark.parametrize("vocab_limit", [None, 60])
 def test_sampled_first_three_tokens_follow_plain_distribution(tiny_llama, draft_sampling,
                                                               temperature, draft_fixture,
-                                                              vocab_limit, request):
+                                                              confidence, vocab_limit, request):
     n = 4000
     draft = request.getfixturevalue(draft_fixture)
 
     def factory():
         return make_engine(tiny_llama, draft, slots=64, max_len=16,
                            draft_sampling=draft_sampling, config=BIG_QUEUE,
-                           draft_vocab_limit=vocab_limit)
+                           draft_vocab_limit=vocab_limit, draft_confidence=confidence)
 
     plain, _ = first_three_counts(factory, "none", 0, n, temperature, 0)
     spec, engine = first_three_counts(factory, "draft", 2, n, temperature, 10**6)
     spec_totals = engine.totals["draft"]
     assert spec_totals.accepted > 0.05 * spec_totals.drafted
     assert len(spec_totals.accepted_per_position) == 2 and spec_totals.accepted_per_position[1]
+    if confidence is not None:  # the stop cut some proposals short, not all
+        assert spec_totals.rounds < spec_totals.drafted < 2 * spec_totals.rounds
     assert contingency_pvalue(plain, spec) > 1e-3
     # Marginals per position too (more power per position than the sparse joint).
     for j in range(3):

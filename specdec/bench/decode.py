@@ -2,7 +2,8 @@
 
 Rows per prompt set: HF plain generate, HF assisted generation (the draft as
 assistant_model, num_assistant_tokens=4, constant schedule), our plain, our draft-model
-speculation at each k, our n-gram speculation. Tokens/s is the median over the set's
+speculation at each k, the same with the draft's confidence stop (k as a cap) at each
+threshold, our n-gram speculation. Tokens/s is the median over the set's
 prompts; speedups are against our plain and HF plain measured in the same run. With
 --batch N our methods run N requests at once (N copies of each prompt); HF rows stay batch 1.
 """
@@ -64,15 +65,19 @@ def _our_rows(args, sets, progress) -> list[dict]:
         target=args.target, draft=args.draft, dtype=args.dtype, device=args.device,
         max_slots=max(args.batch, 1),
         max_len=2048, draft_sampling="greedy", draft_vocab_limit=args.draft_vocab_limit))
-    configs = [("plain", "none", 0)] + [("draft", "draft", k) for k in args.k] + \
-        [("ngram", "ngram", args.ngram_k)]
+    configs = [("plain", "none", 0, None)] + [("draft", "draft", k, None) for k in args.k] + \
+        [("draft_conf", "draft", args.confidence_k, t) for t in args.draft_confidence] + \
+        [("ngram", "ngram", args.ngram_k, None)]
+    draft = engine.proposers.get("draft")
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     # Warm-up: first calls pay for allocations and kernel selection.
     engine.run([Request("warm", sets[next(iter(sets))][0], SamplingParams(
         temperature=0.0, max_tokens=8, ignore_eos=True), "draft", 2)])
     rows = []
     for name, prompts in sets.items():
-        for label, method, k in configs:
+        for label, method, k, threshold in configs:
+            if draft is not None:  # the early stop is the draft's own setting
+                draft.confidence_threshold = threshold
             rates, mal = [], []
             for i, ids in enumerate(prompts):
                 reqs = [Request(f"{name}-{i}-{b}", ids, params, method, k)
@@ -86,8 +91,8 @@ def _our_rows(args, sets, progress) -> list[dict]:
                 if method != "none" and rounds:
                     mal.append(1 + (engine.totals[method].accepted - before[1]) / rounds)
                 progress.advance()
-            rows.append({"method": label, "k": k, "prompt_set": name, "batch": args.batch,
-                         "tokens_per_s": median(rates),
+            rows.append({"method": label, "k": k, "confidence": threshold,
+                         "prompt_set": name, "batch": args.batch, "tokens_per_s": median(rates),
                          "mean_acceptance_length": median(mal) if mal else None})
     return rows
 
@@ -130,7 +135,8 @@ def main(args) -> int:
     sets = {name: [_chat_ids(tok, p, chat) for p in prompts[: args.prompts_per_set]]
             for name, (chat, prompts) in PROMPT_SETS.items() if name in args.sets}
     n_prompts = sum(len(v) for v in sets.values())
-    runs = n_prompts * (len(args.k) + 2) + (0 if args.no_hf else 2 * n_prompts)
+    runs = n_prompts * (len(args.k) + len(args.draft_confidence) + 2) + \
+        (0 if args.no_hf else 2 * n_prompts)
     progress = Progress("bench decode", total=runs, unit=" runs")
     rows = [] if args.no_hf else _hf_rows(args, sets, progress)
     rows += _our_rows(args, sets, progress)
@@ -144,7 +150,7 @@ def main(args) -> int:
                     r["speedup_vs_hf_plain"] = r["tokens_per_s"] / base["hf_plain"]
                 if "hf_assisted" in base:
                     r["speedup_vs_hf_assisted"] = r["tokens_per_s"] / base["hf_assisted"]
-    cols = ["prompt_set", "method", "k", "batch", "tokens_per_s", "mean_acceptance_length",
+    cols = ["prompt_set", "method", "k", "confidence", "batch", "tokens_per_s", "mean_acceptance_length",
             "speedup_vs_our_plain", "speedup_vs_hf_plain", "speedup_vs_hf_assisted"]
     print_table(rows, cols, title=f"{args.target} + {args.draft}, {args.dtype}, "
                                   f"{args.max_tokens} new tokens, greedy, medians")
