@@ -22,7 +22,14 @@ from specdec.build import eos_ids_of
 from specdec.engine import Engine, EngineConfig
 from specdec.generate import load_tokenizer
 from specdec.hub import resolve
-from specdec.policy import AcceptanceTracker, Load, PolicyConfig, StepCostModel, revisit
+from specdec.policy import (
+    AcceptanceTracker,
+    DraftCostModel,
+    Load,
+    PolicyConfig,
+    StepCostModel,
+    revisit,
+)
 from specdec.proposers import NgramProposer, check_same_tokenizer
 from specdec.request import CapacityError, EngineError, Request
 from specdec.sampling import SamplingParams
@@ -50,6 +57,7 @@ class EngineServer:
         self.acceptance = AcceptanceTracker(self.policy)
         self.draft_cost: float | None = None
         self.step_cost = StepCostModel()
+        self.draft_round_cost = DraftCostModel()
         self.engine = Engine(self.target, proposers, tok, eos_ids_of(target_path, tok),
                              EngineConfig(max_tokens_per_step=cfg.max_tokens_per_step,
                                           max_waiting=cfg.max_waiting),
@@ -76,17 +84,19 @@ class EngineServer:
             if self.engine.history:
                 rec = self.engine.history[-1]
                 self.step_cost.observe(rec.tokens, rec.verify_s)
+                self.draft_round_cost.observe(rec.draft_k, rec.draft_rows, rec.draft_model_s)
                 self._observe_draft_cost(rec)
                 self.metrics.step(rec)
 
     def _observe_draft_cost(self, rec) -> None:
-        """c = one draft step / one plain target step, as an moving average. A step's draft
-        time covers max_k sequential draft forwards (rows are batched)."""
-        if not rec.draft_s or not rec.max_k:
+        """c = the draft's time per guess / one plain target step, as a moving average (for
+        display and as the policy's fallback until the draft's round cost is fitted). A
+        step's draft time covers draft_k sequential draft forwards (rows are batched)."""
+        if not rec.draft_model_s or not rec.draft_k:
             return
         fit = self.step_cost.fit()
         plain_step = (fit[0] + fit[1] * max(rec.rows, 1)) if fit else rec.verify_s
-        c = rec.draft_s / rec.max_k / max(plain_step, 1e-6)
+        c = rec.draft_model_s / rec.draft_k / max(plain_step, 1e-6)
         self.draft_cost = c if self.draft_cost is None else 0.9 * self.draft_cost + 0.1 * c
         self.policy = dataclasses.replace(self.policy, draft_cost_ratio=self.draft_cost)
 
@@ -95,7 +105,7 @@ class EngineServer:
         k = revisit(self.policy, req.method, req.k, spec.policy_trials,
                     spec.accepted, spec.rounds, self.acceptance.alpha(req.method),
                     Load(load["running"], load["waiting"], max(load["tokens_per_step"], 1.0)),
-                    self.step_cost)
+                    self.step_cost, self.draft_round_cost)
         return k
 
     def _deliver(self, out) -> None:
@@ -164,6 +174,7 @@ class EngineServer:
             "methods": sorted(m for m in self.engine.proposers
                               if m != "draft" or (self.draft and self.draft.available)),
             "step_cost_fit": fit, "draft_cost_ratio": self.draft_cost,
+            "draft_round_fit": self.draft_round_cost.fit(),
             "target_failures": self.target.failures,
             "draft_failures": self.draft.failures if self.draft else 0,
             "time": time.time(),

@@ -26,7 +26,15 @@ from deployments.openai_api import (
 )
 from specdec.generate import load_tokenizer
 from specdec.hub import resolve
-from specdec.policy import Decision, LengthEstimator, Load, PolicyConfig, StepCostModel, decide
+from specdec.policy import (
+    Decision,
+    DraftCostModel,
+    LengthEstimator,
+    Load,
+    PolicyConfig,
+    StepCostModel,
+    decide,
+)
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="specdec-serve", version="0.1.0")
@@ -108,21 +116,23 @@ class RouterServer:
             self.policy = dataclasses.replace(self.policy,
                                               draft_cost_ratio=load["draft_cost_ratio"])
         cost = StepCostModel.with_fit(load.get("step_cost_fit"))
+        draft_cost = DraftCostModel.with_fit(load.get("draft_round_fit"))
         lw = Load(load.get("running", 0), load.get("waiting", 0),
                   max(load.get("tokens_per_step", 1.0), 1.0))
         expected = self.lengths.expected(prompt_tokens, max_tokens, bool(req.stop))
         if spec.mode == "on":
             method = spec.method or ("draft" if "draft" in methods else "ngram")
             d = decide(self.policy, [method], alpha, float("inf"), lw, cost,
-                       forced_method=method, forced_k=spec.k)
+                       forced_method=method, forced_k=spec.k, draft_cost=draft_cost)
             if d.k == 0:  # "on" means speculate: take the policy's k even below break-even
                 d = decide(self.policy, [method], alpha, float("inf"), lw, cost,
-                           forced_method=method, forced_k=min(4, self.policy.k_max))
+                           forced_method=method, forced_k=min(4, self.policy.k_max),
+                           draft_cost=draft_cost)
             d.reason = "request asked for speculation; " + d.reason
             d.why = "request"
             return d
         return decide(self.policy, methods, alpha, expected, lw, cost,
-                      forced_method=spec.method, forced_k=spec.k)
+                      forced_method=spec.method, forced_k=spec.k, draft_cost=draft_cost)
 
     def _prepare(self, req, prompt_ids: list[int], prompt_param: str) -> tuple[dict, Decision]:
         if not prompt_ids:

@@ -40,6 +40,11 @@ class StepRecord:
     draft_s: float
     verify_s: float
     max_k: int = 0          # the longest draft of the step (draft forwards run in sequence)
+    # The draft model's own share: rows it drafted for, the largest k asked of it (its
+    # forwards run in sequence, rows batched), and its time. The policy fits its cost on it.
+    draft_rows: int = 0
+    draft_k: int = 0
+    draft_model_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -127,7 +132,7 @@ class Engine:
         self._admit()
         if not self._running:
             return outputs
-        rows, num_draft, t_draft = self._plan()
+        rows, num_draft, t_draft, drafting = self._plan()
         t0 = time.perf_counter()
         try:
             results = self.target.step(rows)
@@ -139,7 +144,8 @@ class Engine:
         t_verify = time.perf_counter() - t0
         self.steps += 1
         self.history.append(StepRecord(len(rows), sum(len(r.tokens) for r in rows),
-                                       t_draft, t_verify, max(num_draft.values(), default=0)))
+                                       t_draft, t_verify, max(num_draft.values(), default=0),
+                                       *drafting))
         by_id = {r.seq_id: r for r in results}
         for row in rows:
             seq = self._running[row.seq_id]
@@ -187,7 +193,7 @@ class Engine:
         room = self.target.max_len - seq.cached - pending
         return max(0, min(k, remaining - 1, room))
 
-    def _plan(self) -> tuple[list[TargetRow], dict[str, int], float]:
+    def _plan(self) -> tuple[list[TargetRow], dict[str, int], float, tuple[int, int, float]]:
         decode = [s for s in self._running.values() if s.cached >= s.prompt_len]
         prefill = [s for s in self._running.values() if s.cached < s.prompt_len]
         asks: dict[str, list[ProposeInput]] = collections.defaultdict(list)
@@ -198,13 +204,18 @@ class Engine:
                     ProposeInput(seq.req.request_id, seq.tokens, seq.k_now, seq.req.params))
         t0 = time.perf_counter()
         proposals = {}
+        drafting = (0, 0, 0.0)
         for method, inputs in asks.items():
+            t_method = time.perf_counter()
             try:
                 got = self.proposers[method].propose(inputs)
             except Exception:  # a failed proposer costs speed, never a request
                 log.exception("proposer %s failed; decoding plainly this round", method)
                 got = []
             proposals.update({i.seq_id: p for i, p in zip(inputs, got, strict=False)})
+            if method == "draft" and got:
+                drafting = (len(inputs), max(i.k for i in inputs),
+                            time.perf_counter() - t_method)
         t_draft = time.perf_counter() - t0
         rows: list[TargetRow] = []
         num_draft: dict[str, int] = {}
@@ -233,7 +244,7 @@ class Engine:
             rows.append(TargetRow(seq.req.request_id, seq.slot, seq.cached, chunk, 0, None, done))
             if done:
                 seq.k_now = 0
-        return rows, num_draft, t_draft
+        return rows, num_draft, t_draft, drafting
 
     def _advance(self, seq: _Seq, row: TargetRow, res: TargetResult) -> RequestOutput:
         req = seq.req

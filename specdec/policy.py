@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from specdec.cost_model import expected_speedup
 
 
@@ -115,12 +117,61 @@ class StepCostModel:
         a = my - b * mx
         return (max(a, 1e-6), max(b, 0.0))
 
+    def step_seconds(self, tokens: float) -> float | None:
+        fit = self.fit()
+        return None if fit is None else fit[0] + fit[1] * tokens
+
     def verify_cost(self, base_tokens: float, extra_tokens: float) -> float:
         fit = self.fit()
         if fit is None:
             return 1.0  # memory-bound assumption until measured
         a, b = fit
         return (a + b * (base_tokens + extra_tokens)) / (a + b * base_tokens)
+
+
+class DraftCostModel:
+    """Draft time of one round as d0 + k * (e0 + e1 * rows), fitted online (least squares).
+
+    d0 is paid once per round whatever k is (the call into the draft, catching its cache up
+    with the tokens the target added); e0 + e1 * rows is one batched draft forward, run k
+    times in sequence. A flat c * k misses d0 and so under-rates longer drafts."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float, float]] = []
+        self._fixed: tuple[float, float, float] | None = None
+
+    @classmethod
+    def with_fit(cls, fit) -> DraftCostModel:
+        m = cls()
+        if fit is not None:
+            m._fixed = (float(fit[0]), float(fit[1]), float(fit[2]))
+        return m
+
+    def observe(self, k: int, rows: int, seconds: float) -> None:
+        if k > 0 and rows > 0:
+            self.samples.append((float(k), float(rows), seconds))
+            del self.samples[:-512]
+
+    def fit(self) -> tuple[float, float, float] | None:
+        if self._fixed is not None:
+            return self._fixed
+        if len(self.samples) < 8 or len({k for k, _, _ in self.samples}) < 2:
+            return None  # one k only: the fixed and the per-guess parts cannot be told apart
+        k = np.array([s[0] for s in self.samples])
+        rows = np.array([s[1] for s in self.samples])
+        y = np.array([s[2] for s in self.samples])
+        x = np.stack([np.ones_like(k), k, k * rows], axis=1)
+        if len(set(rows.tolist())) < 2:
+            x = x[:, :2]  # one batch size only: no slope in rows
+        coef = np.linalg.lstsq(x, y, rcond=None)[0].tolist() + [0.0]
+        return (max(coef[0], 0.0), max(coef[1], 1e-6), max(coef[2], 0.0))
+
+    def round_seconds(self, k: int, rows: int) -> float | None:
+        fit = self.fit()
+        if fit is None:
+            return None
+        d0, e0, e1 = fit
+        return d0 + k * (e0 + e1 * rows)
 
 
 @dataclasses.dataclass
@@ -144,8 +195,12 @@ class Decision:
 
 def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
            expected_tokens: float, load: Load, cost: StepCostModel,
-           forced_method: str | None = None, forced_k: int | None = None) -> Decision:
-    """Choose method and k for a request about to start (or for its next round)."""
+           forced_method: str | None = None, forced_k: int | None = None,
+           draft_cost: DraftCostModel | None = None) -> Decision:
+    """Choose method and k for a request about to start (or for its next round).
+
+    The draft's cost of a k-guess round is the fitted draft time over the fitted plain step
+    time when both are measured, else k * config.draft_cost_ratio."""
     inputs = {"expected_tokens": round(expected_tokens, 1) if math.isfinite(expected_tokens)
               else None, "running": load.running,
               "waiting": load.waiting, "tokens_per_step": round(load.tokens_per_step, 2),
@@ -163,11 +218,16 @@ def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
     base = max(load.tokens_per_step, 1.0)
     # Each row of the batch drafts too, so verify grows by k per speculative row.
     rows = max(load.running, 1)
+    plain_step = cost.step_seconds(base)
     for m in candidates:
         c = config.draft_cost_ratio if m == "draft" else config.ngram_cost_ratio
         ks = [forced_k] if forced_k is not None else range(1, config.k_max + 1)
         for k in ks:
             v = cost.verify_cost(base, rows * k)
+            measured = draft_cost.round_seconds(k, rows) if m == "draft" and draft_cost \
+                else None
+            if measured is not None and plain_step:
+                c = measured / plain_step / k  # this k's draft cost per guess, fixed part in
             s = expected_speedup(alpha.get(m, 0.5), k, c, v)
             if forced_k is not None or s > best.expected_speedup:
                 best = Decision("speculative", m, k, f"best expected goodput: {s:.2f}x plain "
@@ -181,7 +241,8 @@ def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
 
 
 def revisit(config: PolicyConfig, method: str, k_now: int, own_trials: int, own_kept: int,
-            rounds: int, method_alpha: float, load: Load, cost: StepCostModel) -> int:
+            rounds: int, method_alpha: float, load: Load, cost: StepCostModel,
+            draft_cost: DraftCostModel | None = None) -> int:
     """k for a running request's next round: its own acceptance (once trusted) blended with
     the method's, under the current load; 0 when its acceptance collapsed."""
     if method == "none" or k_now == 0:
@@ -194,5 +255,6 @@ def revisit(config: PolicyConfig, method: str, k_now: int, own_trials: int, own_
         alpha = w * own + (1 - w) * method_alpha
     else:
         alpha = method_alpha
-    d = decide(config, [method], {method: alpha}, math.inf, load, cost, forced_method=method)
+    d = decide(config, [method], {method: alpha}, math.inf, load, cost, forced_method=method,
+               draft_cost=draft_cost)
     return d.k

@@ -5,6 +5,7 @@ from __future__ import annotations
 from specdec.cost_model import acceptance_from_mean_length, best_k, expected_speedup
 from specdec.policy import (
     AcceptanceTracker,
+    DraftCostModel,
     LengthEstimator,
     Load,
     PolicyConfig,
@@ -94,3 +95,35 @@ def test_cost_model_formulas():
     assert abs(expected_speedup(0.8, 4, 0.05, 1.0) - 3.3616 / 1.2) < 1e-3
     assert abs(acceptance_from_mean_length(3.3616, 4) - 0.8) < 1e-3
     assert best_k(0.1, 0.5, 6) == (0, 1.0)
+
+
+def test_draft_round_cost_fit_recovers_fixed_and_per_guess_parts():
+    m = DraftCostModel()
+    for k in (1, 2, 3, 4, 6):
+        m.observe(k, 0, 1.0)  # no rows: ignored
+    assert m.fit() is None
+    for k in (2, 4, 4, 4):
+        m.observe(k, 3, 0.05 + k * (0.02 + 0.004 * 3))
+    assert m.fit() is None  # too few samples yet
+    for k, rows in ((1, 1), (3, 8), (5, 2), (6, 6), (2, 8), (4, 1)):
+        m.observe(k, rows, 0.05 + k * (0.02 + 0.004 * rows))
+    d0, e0, e1 = m.fit()
+    assert abs(d0 - 0.05) < 1e-9 and abs(e0 - 0.02) < 1e-9 and abs(e1 - 0.004) < 1e-9
+    same_k = DraftCostModel()
+    for rows in range(1, 12):
+        same_k.observe(4, rows, 0.1 + 0.01 * rows)
+    assert same_k.fit() is None  # one k: fixed and per-guess parts are confounded
+
+
+def test_a_fixed_draft_cost_per_round_favours_longer_drafts():
+    """Same draft time at k = 4 (0.28 s), but most of it paid once per round: longer drafts
+    amortize it, so the policy picks a larger k than a flat per-guess cost would."""
+    flat = DraftCostModel.with_fit((0.0, 0.07, 0.0))
+    fixed = DraftCostModel.with_fit((0.2, 0.02, 0.0))
+    step = StepCostModel.with_fit((0.2, 0.0))
+    a = decide(CFG, ["draft"], {"draft": 0.85}, 200, Load(1), step, draft_cost=flat)
+    b = decide(CFG, ["draft"], {"draft": 0.85}, 200, Load(1), step, draft_cost=fixed)
+    assert b.k > a.k > 0
+    # Without a measured round cost the configured ratio is used.
+    c = decide(CFG, ["draft"], {"draft": 0.85}, 200, Load(1), step)
+    assert c.k == best_k(0.85, CFG.draft_cost_ratio, CFG.k_max, 1.0)[0]
