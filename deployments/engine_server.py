@@ -105,7 +105,8 @@ class EngineServer:
         k = revisit(self.policy, req.method, req.k, spec.policy_trials,
                     spec.accepted, spec.rounds, self.acceptance.alpha(req.method),
                     Load(load["running"], load["waiting"], max(load["tokens_per_step"], 1.0)),
-                    self.step_cost, self.draft_round_cost)
+                    self.step_cost, self.draft_round_cost,
+                    self.acceptance.curve(req.method, self.policy.k_max))
         return k
 
     def _deliver(self, out) -> None:
@@ -124,7 +125,11 @@ class EngineServer:
     def _observe_finished(self, out) -> None:
         if out.method != "none":
             s = out.spec
-            self.acceptance.observe(out.method, s.accepted, s.rejections + s.empty_proposals)
+            # An empty proposal was a chance at position 1 that failed, like a rejection.
+            drafted = list(s.drafted_per_position) or [0]
+            drafted[0] += s.empty_proposals
+            self.acceptance.observe(out.method, s.accepted, s.rejections + s.empty_proposals,
+                                    s.accepted_per_position, drafted)
         self.metrics.finished(out)
 
     # ---- the API the router calls ----------------------------------------------------------
@@ -171,6 +176,8 @@ class EngineServer:
         fit = self.step_cost.fit()
         load.update({
             "alpha": {m: self.acceptance.alpha(m) for m in self.engine.proposers},
+            "acceptance_curve": {m: self.acceptance.curve(m, self.policy.k_max)
+                                 for m in self.engine.proposers},
             "methods": sorted(m for m in self.engine.proposers
                               if m != "draft" or (self.draft and self.draft.available)),
             "step_cost_fit": fit, "draft_cost_ratio": self.draft_cost,

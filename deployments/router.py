@@ -117,22 +117,25 @@ class RouterServer:
                                               draft_cost_ratio=load["draft_cost_ratio"])
         cost = StepCostModel.with_fit(load.get("step_cost_fit"))
         draft_cost = DraftCostModel.with_fit(load.get("draft_round_fit"))
+        curves = load.get("acceptance_curve")
         lw = Load(load.get("running", 0), load.get("waiting", 0),
                   max(load.get("tokens_per_step", 1.0), 1.0))
         expected = self.lengths.expected(prompt_tokens, max_tokens, bool(req.stop))
         if spec.mode == "on":
             method = spec.method or ("draft" if "draft" in methods else "ngram")
             d = decide(self.policy, [method], alpha, float("inf"), lw, cost,
-                       forced_method=method, forced_k=spec.k, draft_cost=draft_cost)
+                       forced_method=method, forced_k=spec.k, draft_cost=draft_cost,
+                       curves=curves)
             if d.k == 0:  # "on" means speculate: take the policy's k even below break-even
                 d = decide(self.policy, [method], alpha, float("inf"), lw, cost,
                            forced_method=method, forced_k=min(4, self.policy.k_max),
-                           draft_cost=draft_cost)
+                           draft_cost=draft_cost, curves=curves)
             d.reason = "request asked for speculation; " + d.reason
             d.why = "request"
             return d
         return decide(self.policy, methods, alpha, expected, lw, cost,
-                      forced_method=spec.method, forced_k=spec.k, draft_cost=draft_cost)
+                      forced_method=spec.method, forced_k=spec.k, draft_cost=draft_cost,
+                      curves=curves)
 
     def _prepare(self, req, prompt_ids: list[int], prompt_param: str) -> tuple[dict, Decision]:
         if not prompt_ids:

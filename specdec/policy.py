@@ -42,11 +42,39 @@ class AcceptanceTracker:
         self.config = config
         self.trials: dict[str, float] = {}
         self.kept: dict[str, float] = {}
+        self.pos_drafted: dict[str, list[int]] = {}
+        self.pos_kept: dict[str, list[int]] = {}
 
-    def observe(self, method: str, accepted: int, rejections: int) -> None:
-        """accepted guesses and rounds that ended in a rejection (each one more trial)."""
+    def observe(self, method: str, accepted: int, rejections: int,
+                accepted_per_position: list[int] = (),
+                drafted_per_position: list[int] = ()) -> None:
+        """accepted guesses and rounds that ended in a rejection (each one more trial); per
+        position i, rounds that drafted a guess there and rounds that kept guesses 1..i."""
         self.trials[method] = self.trials.get(method, 0.0) + accepted + rejections
         self.kept[method] = self.kept.get(method, 0.0) + accepted
+        for counts, new in ((self.pos_drafted.setdefault(method, []), drafted_per_position),
+                            (self.pos_kept.setdefault(method, []), accepted_per_position)):
+            counts.extend([0] * (len(new) - len(counts)))
+            for i, n in enumerate(new):
+                counts[i] += n
+
+    def curve(self, method: str, k_max: int) -> list[float]:
+        """r_i, i = 1..k_max: the chance that a round keeps its first i guesses. Measured per
+        position where rounds reached it, shrunk toward alpha^i (the i.i.d. model) with the
+        prior's weight, and never rising with i. Acceptance is bursty (easy stretches, hard
+        ones), so the measured curve falls off differently from alpha^i."""
+        a = self.alpha(method)
+        w = self.config.prior_weight
+        drafted = self.pos_drafted.get(method, [])
+        kept = self.pos_kept.get(method, [])
+        out, prev = [], 1.0
+        for i in range(1, k_max + 1):
+            d = drafted[i - 1] if i <= len(drafted) else 0
+            n = kept[i - 1] if i <= len(kept) else 0
+            r = min(prev, (n + w * a ** i) / (d + w))
+            out.append(r)
+            prev = r
+        return out
 
     def alpha(self, method: str) -> float:
         prior = dict(self.config.acceptance_prior).get(method, 0.5)
@@ -196,8 +224,12 @@ class Decision:
 def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
            expected_tokens: float, load: Load, cost: StepCostModel,
            forced_method: str | None = None, forced_k: int | None = None,
-           draft_cost: DraftCostModel | None = None) -> Decision:
+           draft_cost: DraftCostModel | None = None,
+           curves: dict[str, list[float]] | None = None) -> Decision:
     """Choose method and k for a request about to start (or for its next round).
+
+    Tokens per round come from the method's measured acceptance curve (r_i, see
+    AcceptanceTracker.curve) when given, else from the i.i.d. model with alpha.
 
     The draft's cost of a k-guess round is the fitted draft time over the fitted plain step
     time when both are measured, else k * config.draft_cost_ratio."""
@@ -205,6 +237,8 @@ def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
               else None, "running": load.running,
               "waiting": load.waiting, "tokens_per_step": round(load.tokens_per_step, 2),
               "alpha": {m: round(a, 3) for m, a in alpha.items()}}
+    if curves:
+        inputs["acceptance_curve"] = {m: [round(r, 3) for r in c] for m, c in curves.items()}
     if not methods:
         return Decision("plain", "none", 0, "no proposer available", 1.0, inputs,
                         "no_proposer")
@@ -228,7 +262,11 @@ def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
                 else None
             if measured is not None and plain_step:
                 c = measured / plain_step / k  # this k's draft cost per guess, fixed part in
-            s = expected_speedup(alpha.get(m, 0.5), k, c, v)
+            curve = (curves or {}).get(m)
+            if curve and len(curve) >= k:
+                s = (1.0 + sum(curve[:k])) / (k * c + v)
+            else:
+                s = expected_speedup(alpha.get(m, 0.5), k, c, v)
             if forced_k is not None or s > best.expected_speedup:
                 best = Decision("speculative", m, k, f"best expected goodput: {s:.2f}x plain "
                                 f"(alpha {alpha.get(m, 0.5):.2f}, c {c:.2f}, v {v:.2f})",
@@ -242,9 +280,10 @@ def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
 
 def revisit(config: PolicyConfig, method: str, k_now: int, own_trials: int, own_kept: int,
             rounds: int, method_alpha: float, load: Load, cost: StepCostModel,
-            draft_cost: DraftCostModel | None = None) -> int:
+            draft_cost: DraftCostModel | None = None, curve: list[float] | None = None) -> int:
     """k for a running request's next round: its own acceptance (once trusted) blended with
-    the method's, under the current load; 0 when its acceptance collapsed."""
+    the method's, under the current load; 0 when its acceptance collapsed. The method's
+    curve is rescaled by (blended alpha / method alpha)^i for this request."""
     if method == "none" or k_now == 0:
         return 0
     if rounds >= config.collapse_rounds and own_trials:
@@ -255,6 +294,10 @@ def revisit(config: PolicyConfig, method: str, k_now: int, own_trials: int, own_
         alpha = w * own + (1 - w) * method_alpha
     else:
         alpha = method_alpha
+    curves = None
+    if curve:
+        ratio = alpha / max(method_alpha, 1e-6)
+        curves = {method: [min(1.0, r * ratio ** i) for i, r in enumerate(curve, 1)]}
     d = decide(config, [method], {method: alpha}, math.inf, load, cost, forced_method=method,
-               draft_cost=draft_cost)
+               draft_cost=draft_cost, curves=curves)
     return d.k

@@ -127,3 +127,31 @@ def test_a_fixed_draft_cost_per_round_favours_longer_drafts():
     # Without a measured round cost the configured ratio is used.
     c = decide(CFG, ["draft"], {"draft": 0.85}, 200, Load(1), step)
     assert c.k == best_k(0.85, CFG.draft_cost_ratio, CFG.k_max, 1.0)[0]
+
+
+def test_acceptance_curve_starts_at_the_iid_prior_and_follows_measurements():
+    t = AcceptanceTracker(CFG)
+    prior = dict(CFG.acceptance_prior)["draft"]
+    assert all(abs(r - prior ** i) < 1e-12 for i, r in enumerate(t.curve("draft", 4), 1))
+    # Bursty acceptance: 300 rounds of k = 4, half keep all four, half reject the first.
+    for _ in range(150):
+        t.observe("draft", 4, 0, [1, 1, 1, 1], [1, 1, 1, 1])
+        t.observe("draft", 0, 1, [], [1, 1, 1, 1])
+    curve = t.curve("draft", 6)
+    assert all(abs(r - 0.5) < 0.03 for r in curve[:4])    # flat, unlike alpha^i
+    assert curve == sorted(curve, reverse=True)            # never rises with i
+    assert curve[5] <= curve[4] <= curve[3]                # beyond the data: the prior
+
+
+def test_decide_uses_the_measured_curve_over_the_iid_model():
+    step = StepCostModel.with_fit((0.2, 0.0))
+    alpha = {"draft": 0.8}
+    iid = decide(CFG, ["draft"], alpha, 200, Load(1), step)
+    # Same alpha, but guesses after the first two are almost never kept.
+    steep = decide(CFG, ["draft"], alpha, 200, Load(1), step,
+                   curves={"draft": [0.9, 0.8, 0.05, 0.01, 0.0, 0.0]})
+    # Once a round gets going it keeps going: long drafts pay.
+    flat = decide(CFG, ["draft"], alpha, 200, Load(1), step,
+                  curves={"draft": [0.8, 0.78, 0.77, 0.76, 0.75, 0.75]})
+    assert steep.k == 2 < iid.k < flat.k == CFG.k_max
+    assert steep.inputs["acceptance_curve"]["draft"][2] == 0.05
