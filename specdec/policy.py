@@ -110,29 +110,47 @@ class LengthEstimator:
         return max_tokens * (0.5 if has_stop else 1.0)
 
 
-class StepCostModel:
+class _OnlineFit:
+    """Least-squares fit over the last 512 observations, or a fit given as is (reported by
+    an engine replica). The fit is solved once per new observation, not once per question:
+    the policy asks it for every k of every row of every step."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, ...]] = []
+        self._fixed: tuple[float, ...] | None = None
+        self._solved: tuple[tuple[float, ...] | None] | None = None  # (fit,) once solved
+
+    @classmethod
+    def with_fit(cls, fit):
+        m = cls()
+        if fit is not None:
+            m._fixed = tuple(float(x) for x in fit)
+        return m
+
+    def _add(self, sample: tuple[float, ...]) -> None:
+        self.samples.append(sample)
+        del self.samples[:-512]
+        self._solved = None
+
+    def fit(self):
+        if self._fixed is not None:
+            return self._fixed
+        if self._solved is None:
+            self._solved = (self._solve(),)
+        return self._solved[0]
+
+    def _solve(self):
+        raise NotImplementedError
+
+
+class StepCostModel(_OnlineFit):
     """Step time as a + b * tokens, fitted online (least squares over recent steps). The
     verify cost v of adding k tokens per row is the ratio of step times with and without."""
 
-    def __init__(self) -> None:
-        self.samples: list[tuple[float, float]] = []
-        self._fixed: tuple[float, float] | None = None
-
-    @classmethod
-    def with_fit(cls, fit: tuple[float, float] | list[float] | None) -> StepCostModel:
-        """A model with a known fit (e.g. reported by an engine replica)."""
-        m = cls()
-        if fit is not None:
-            m._fixed = (float(fit[0]), float(fit[1]))
-        return m
-
     def observe(self, tokens: int, seconds: float) -> None:
-        self.samples.append((float(tokens), seconds))
-        del self.samples[:-512]
+        self._add((float(tokens), seconds))
 
-    def fit(self) -> tuple[float, float] | None:
-        if self._fixed is not None:
-            return self._fixed
+    def _solve(self) -> tuple[float, float] | None:
         if len(self.samples) < 8:
             return None
         n = len(self.samples)
@@ -157,32 +175,18 @@ class StepCostModel:
         return (a + b * (base_tokens + extra_tokens)) / (a + b * base_tokens)
 
 
-class DraftCostModel:
+class DraftCostModel(_OnlineFit):
     """Draft time of one round as d0 + k * (e0 + e1 * rows), fitted online (least squares).
 
     d0 is paid once per round whatever k is (the call into the draft, catching its cache up
     with the tokens the target added); e0 + e1 * rows is one batched draft forward, run k
     times in sequence. A flat c * k misses d0 and so under-rates longer drafts."""
 
-    def __init__(self) -> None:
-        self.samples: list[tuple[float, float, float]] = []
-        self._fixed: tuple[float, float, float] | None = None
-
-    @classmethod
-    def with_fit(cls, fit) -> DraftCostModel:
-        m = cls()
-        if fit is not None:
-            m._fixed = (float(fit[0]), float(fit[1]), float(fit[2]))
-        return m
-
     def observe(self, k: int, rows: int, seconds: float) -> None:
         if k > 0 and rows > 0:
-            self.samples.append((float(k), float(rows), seconds))
-            del self.samples[:-512]
+            self._add((float(k), float(rows), seconds))
 
-    def fit(self) -> tuple[float, float, float] | None:
-        if self._fixed is not None:
-            return self._fixed
+    def _solve(self) -> tuple[float, float, float] | None:
         if len(self.samples) < 8 or len({k for k, _, _ in self.samples}) < 2:
             return None  # one k only: the fixed and the per-guess parts cannot be told apart
         k = np.array([s[0] for s in self.samples])
