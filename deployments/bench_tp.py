@@ -47,10 +47,7 @@ def main(args) -> int:
     progress = Progress("bench tp", total=args.steps * (1 + len(args.tp)), unit=" steps")
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     local = Decoder.from_checkpoint(path, dtype)
-    weights = sum(t.numel() * t.element_size() for layer in local.layers
-                  for t in layer.w.values() if t is not None)
-    weights += sum(t.numel() * t.element_size()
-                   for t in {id(x): x for x in (local.embed, local.norm, local.lm_head)}.values())
+    weights = local.weight_bytes()
     local_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss0
     from deployments.shard import _rss_anon_mb
 

@@ -15,7 +15,6 @@ from typing import Any
 import ray
 import torch
 
-from specdec.generate import dtype_from_name
 from specdec.hub import resolve
 from specdec.model import Decoder
 from specdec.parallel import Group, LeaderDecoder, follow
@@ -37,7 +36,7 @@ class ModelShard:
                  max_slots: int, max_len: int, threads: int, extra: dict[str, Any]) -> None:
         torch.set_num_threads(max(1, threads))
         self.role, self.rank, self.world = role, rank, world
-        self.model_ref, self.dtype = model, dtype_from_name(dtype)
+        self.model_ref, self.dtype = model, dtype
         self.max_slots, self.max_len, self.extra = max_slots, max_len, extra
         self.device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
         self.group: Group | None = None
@@ -70,16 +69,13 @@ class ModelShard:
                                                    self.extra.get("sampling", "probabilistic"),
                                                    self.extra.get("vocab_limit"),
                                                    self.extra.get("confidence_threshold"))
-        weights = sum(t.numel() * t.element_size() for layer in local.layers
-                      for t in layer.w.values() if t is not None)
-        weights += sum(t.numel() * t.element_size()
-                       for t in {id(x): x for x in (local.embed, local.norm, local.lm_head)}.values())
+        weights = local.weight_bytes()
         return {"rank": self.rank, "backend": self.group.backend, "device": self.device,
                 "weights_mb": weights / 2**20,
                 "kv_cache_mb": 2 * cache.k.numel() * cache.k.element_size() / 2**20,
                 "peak_rss_mb": _max_rss_mb(), "rss_before_load_mb": rss_before,
                 "rss_anon_mb": _rss_anon_mb(), "threads": torch.get_num_threads(),
-                "vocab_size": local.cfg.vocab_size}
+                "vocab_size": local.cfg.vocab_size, "format": local.format.name}
 
     def follow(self) -> int:
         assert self.group is not None and self.rank > 0

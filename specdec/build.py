@@ -7,11 +7,9 @@ import json
 from pathlib import Path
 from typing import Literal
 
-import torch
-
 from specdec import hub
 from specdec.engine import Engine, EngineConfig
-from specdec.generate import dtype_from_name, load_tokenizer
+from specdec.generate import load_tokenizer
 from specdec.model import Decoder
 from specdec.proposers import DraftModelProposer, NgramProposer, Proposer, check_same_tokenizer
 from specdec.target_runner import LocalTargetRunner
@@ -47,7 +45,7 @@ def eos_ids_of(path: str | Path, tokenizer) -> set[int]:
 
 
 def build_local_engine(spec: LocalEngineSpec, **engine_kw) -> tuple[Engine, object]:
-    dtype: torch.dtype = dtype_from_name(spec.dtype)
+    dtype = spec.dtype
     target_path = hub.resolve(spec.target)
     tok = load_tokenizer(target_path)
     target = Decoder.from_checkpoint(target_path, dtype, spec.device)

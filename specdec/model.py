@@ -11,6 +11,7 @@ tables built the same way, residuals in the model dtype) so fp32 logits match it
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from specdec.batch import BatchInput
 from specdec.config import DecoderConfig
 from specdec.kv_cache import KVCache
+from specdec.linear import Linear, WeightFormat, resolve_format
 from specdec.sharding import ShardSpec
 from specdec.weights import CheckpointReader
 
@@ -60,9 +62,10 @@ class Rotary:
 
 
 class Layer:
-    """One decoder block; weights are plain tensors (this rank's slices), no nn.Module."""
+    """One decoder block: this rank's slices as `Linear`s (qkv, o, gate_up, down) and plain
+    tensors (norms, the biases added after a row-parallel all_reduce); no nn.Module."""
 
-    def __init__(self, weights: dict[str, torch.Tensor | None], n_q: int, n_kv: int,
+    def __init__(self, weights: dict, n_q: int, n_kv: int,
                  kv_index: list[int], head_dim: int, eps: float) -> None:
         self.w = weights
         self.n_q, self.n_kv, self.head_dim, self.eps = n_q, n_kv, head_dim, eps
@@ -75,71 +78,103 @@ class Layer:
 
 class Decoder:
     def __init__(self, cfg: DecoderConfig, layers: list[Layer], embed: torch.Tensor,
-                 norm: torch.Tensor, lm_head: torch.Tensor, shard: ShardSpec,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 norm: torch.Tensor, lm_head: Linear | None, shard: ShardSpec,
+                 fmt: WeightFormat, device: torch.device) -> None:
         self.cfg, self.layers, self.shard = cfg, layers, shard
         self.embed, self.norm, self.lm_head = embed, norm, lm_head
-        self.dtype, self.device = dtype, device
+        self.format, self.dtype, self.device = fmt, fmt.act_dtype, device
         self.all_reduce: AllReduce = _identity
         self._rotary: Rotary | None = None
 
     # ---- construction -------------------------------------------------------------------
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+    def from_checkpoint(cls, path: str | Path, dtype: torch.dtype | str = torch.float32,
                         device: str | torch.device = "cpu",
                         shard: ShardSpec | None = None, with_lm_head: bool = True) -> Decoder:
-        """with_lm_head=False skips the vocabulary projection (tensor-parallel followers
-        never compute logits, so they need not hold it)."""
+        """dtype: a torch dtype or a weight format name (see specdec.linear: "auto" picks
+        the fastest exact-enough format for the device). with_lm_head=False skips the
+        vocabulary projection (tensor-parallel followers never compute logits)."""
         cfg = DecoderConfig.from_checkpoint(path)
         shard = shard or ShardSpec()
         shard.check(cfg)
         device = torch.device(device)
+        fmt = resolve_format(dtype, device)
         ck = CheckpointReader(path)
         D = cfg.head_dim
         qh, kvh, inter = shard.q_heads(cfg), shard.kv_heads(cfg), shard.intermediate(cfg)
         q_rows = range(qh.start * D, qh.stop * D)
         kv_rows = range(kvh.start * D, kvh.stop * D)
 
-        def get(name, **kw):
+        def get(name, dtype=fmt.act_dtype, **kw):
             return ck.get(name, dtype=dtype, **kw).to(device).contiguous()
+
+        def weight(name, **kw):  # full precision until the format stores it
+            return ck.get(name, **kw).to(device)
 
         layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
-            w: dict[str, torch.Tensor | None] = {
+            w = {
                 "in_norm": get(p + "input_layernorm.weight"),
                 "post_norm": get(p + "post_attention_layernorm.weight"),
                 # Fused q|k|v and gate|up: one matmul each instead of three and two.
-                "qkv": torch.cat([get(a + "q_proj.weight", rows=q_rows),
-                                  get(a + "k_proj.weight", rows=kv_rows),
-                                  get(a + "v_proj.weight", rows=kv_rows)]),
-                "qkv_b": torch.cat([get(a + "q_proj.bias", rows=q_rows),
-                                    get(a + "k_proj.bias", rows=kv_rows),
-                                    get(a + "v_proj.bias", rows=kv_rows)])
-                if cfg.qkv_bias else None,
-                "o": get(a + "o_proj.weight", cols=q_rows),
+                "qkv": fmt.linear(
+                    torch.cat([weight(a + "q_proj.weight", rows=q_rows),
+                               weight(a + "k_proj.weight", rows=kv_rows),
+                               weight(a + "v_proj.weight", rows=kv_rows)]),
+                    torch.cat([weight(a + "q_proj.bias", rows=q_rows),
+                               weight(a + "k_proj.bias", rows=kv_rows),
+                               weight(a + "v_proj.bias", rows=kv_rows)])
+                    if cfg.qkv_bias else None),
+                "o": fmt.linear(weight(a + "o_proj.weight", cols=q_rows)),
+                # Row-parallel biases are added once, after the all_reduce.
                 "o_b": get(a + "o_proj.bias") if cfg.o_bias else None,
-                "gate_up": torch.cat([get(m + "gate_proj.weight", rows=inter),
-                                      get(m + "up_proj.weight", rows=inter)]),
-                "gate_up_b": torch.cat([get(m + "gate_proj.bias", rows=inter),
-                                        get(m + "up_proj.bias", rows=inter)])
-                if cfg.mlp_bias else None,
-                "down": get(m + "down_proj.weight", cols=inter),
+                "gate_up": fmt.linear(
+                    torch.cat([weight(m + "gate_proj.weight", rows=inter),
+                               weight(m + "up_proj.weight", rows=inter)]),
+                    torch.cat([weight(m + "gate_proj.bias", rows=inter),
+                               weight(m + "up_proj.bias", rows=inter)])
+                    if cfg.mlp_bias else None),
+                "down": fmt.linear(weight(m + "down_proj.weight", cols=inter)),
                 "down_b": get(m + "down_proj.bias") if cfg.mlp_bias else None,
             }
             layers.append(Layer(w, len(qh), len(kvh), shard.kv_index_of_local_q(cfg), D,
                                 cfg.rms_norm_eps))
-        embed = get("model.embed_tokens.weight")
-        if not with_lm_head:
-            lm_head = embed.new_empty(0, cfg.hidden_size)
-        elif cfg.tie_word_embeddings or not ck.has("lm_head.weight"):
-            lm_head = embed
-        else:
-            lm_head = get("lm_head.weight")
+        # The table is only indexed: stored as the weights are, cast per lookup.
+        embed = get("model.embed_tokens.weight", dtype=fmt.weight_dtype)
+        lm_head: Linear | None = None
+        if with_lm_head:
+            tied = cfg.tie_word_embeddings or not ck.has("lm_head.weight")
+            lm_head = fmt.linear(embed if tied else weight("lm_head.weight"))
         norm = get("model.norm.weight")
-        return cls(cfg, layers, embed, norm, lm_head, shard, dtype, device)
+        return cls(cfg, layers, embed, norm, lm_head, shard, fmt, device)
+
+    def limit_vocab(self, n: int) -> Decoder:
+        """A view of this model that scores only the first n token ids (layers shared)."""
+        if not 0 < n <= self.cfg.vocab_size:
+            raise ValueError(f"vocab limit must be in 1..{self.cfg.vocab_size}")
+        out = copy.copy(self)
+        out.lm_head = self.lm_head.first_rows(n) if self.lm_head is not None else None
+        return out
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights this rank holds (tied tables counted once per storage)."""
+        total = 0
+        for layer in self.layers:
+            for v in layer.w.values():
+                if isinstance(v, Linear):
+                    total += v.nbytes
+                elif v is not None:
+                    total += v.numel() * v.element_size()
+        total += self.embed.numel() * self.embed.element_size()
+        total += self.norm.numel() * self.norm.element_size()
+        head = self.lm_head
+        if head is not None and not (isinstance(getattr(head, "weight", None), torch.Tensor)
+                                     and head.weight.data_ptr() == self.embed.data_ptr()):
+            total += head.nbytes
+        return total
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         limit = self.cfg.sliding_window or self.cfg.max_position_embeddings
@@ -170,7 +205,7 @@ class Decoder:
         if batch.kv_len > cache.max_len:
             raise ValueError(f"sequence length {batch.kv_len} exceeds the cache ({cache.max_len})")
         rotary = self._rotary_for(cache.max_len)
-        x = self.embed[batch.token_ids]
+        x = self.embed[batch.token_ids].to(self.dtype)
         attn = _AttentionPlan(batch)
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.w["in_norm"], layer.eps)
@@ -180,14 +215,16 @@ class Decoder:
         if logit_indices is None:
             logit_indices = batch.last_token_indices()
         h = _rms_norm(x[logit_indices], self.norm, self.cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        if self.lm_head is None:  # a tensor-parallel follower: no logits
+            return h.new_empty(h.shape[0], 0, dtype=torch.float32)
+        return self.lm_head(h).float()
 
     __call__ = forward
 
     def _attention(self, i: int, layer: Layer, h: torch.Tensor, batch: BatchInput,
                    plan: _AttentionPlan, cache: KVCache, rotary: Rotary) -> torch.Tensor:
         D, nq, nkv = layer.head_dim, layer.n_q, layer.n_kv
-        qkv = F.linear(h, layer.w["qkv"], layer.w["qkv_b"])
+        qkv = layer.w["qkv"](h)
         q = qkv[:, : nq * D].view(-1, nq, D)
         k = qkv[:, nq * D: (nq + nkv) * D].view(-1, nkv, D)
         v = qkv[:, (nq + nkv) * D:].view(-1, nkv, D)
@@ -203,12 +240,12 @@ class Decoder:
             enable_gqa=layer.kv_gather is None and nq != nkv,
         )  # [B, Hq, Qmax, D]
         out = plan.unpad(out).reshape(-1, nq * D)
-        out = self.all_reduce(F.linear(out, layer.w["o"]))
+        out = self.all_reduce(layer.w["o"](out))
         return out if layer.w["o_b"] is None else out + layer.w["o_b"]
 
     def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(h, layer.w["gate_up"], layer.w["gate_up_b"]).chunk(2, dim=-1)
-        out = self.all_reduce(F.linear(F.silu(gate) * up, layer.w["down"]))
+        gate, up = layer.w["gate_up"](h).chunk(2, dim=-1)
+        out = self.all_reduce(layer.w["down"](F.silu(gate) * up))
         return out if layer.w["down_b"] is None else out + layer.w["down_b"]
 
 

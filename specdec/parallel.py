@@ -91,13 +91,8 @@ class LeaderDecoder:
         self.local, self.group, self.cache = local, group, cache
         self.cfg, self.device, self.dtype = local.cfg, local.device, local.dtype
 
-    @property
-    def lm_head(self) -> torch.Tensor:
-        return self.local.lm_head
-
-    @lm_head.setter
-    def lm_head(self, value: torch.Tensor) -> None:
-        self.local.lm_head = value
+    def limit_vocab(self, n: int) -> LeaderDecoder:
+        return LeaderDecoder(self.local.limit_vocab(n), self.group, self.cache)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         if num_slots > self.cache.num_slots or max_len > self.cache.max_len:

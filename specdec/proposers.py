@@ -7,7 +7,6 @@ exact. Plain decoding is "no proposer" (k = 0).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from pathlib import Path
 from typing import Literal, Protocol
@@ -114,10 +113,9 @@ class DraftModelProposer:
         if vocab_limit is not None:
             if not 0 < vocab_limit <= model.cfg.vocab_size:
                 raise ValueError(f"draft vocab_limit must be in 1..{model.cfg.vocab_size}")
-            # Slice the projection once, on a shallow copy (the layers stay shared): the
-            # draft then only scores the kept ids.
-            model = copy.copy(model)
-            model.lm_head = model.lm_head[:vocab_limit].contiguous()
+            # Narrow the projection once (the layers stay shared): the draft then only
+            # scores the kept ids.
+            model = model.limit_vocab(vocab_limit)
         self.vocab_limit = vocab_limit
         self.model = model
         self.cache = model.new_cache(max_slots, max_len)

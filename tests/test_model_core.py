@@ -85,7 +85,7 @@ def test_bf16_runs_and_tracks_fp32(tiny_llama):
     idx = torch.arange(len(ids))
     a = m32(b, m32.new_cache(1, 64), logit_indices=idx)
     c = m16(b, m16.new_cache(1, 64), logit_indices=idx)
-    assert c.dtype == torch.float32 and m16.layers[0].w["qkv"].dtype == torch.bfloat16
+    assert c.dtype == torch.float32 and m16.layers[0].w["qkv"].weight.dtype == torch.bfloat16
     assert (a - c).abs().max() < 0.1 * a.abs().max()
 
 
@@ -101,3 +101,43 @@ def test_cache_overflow_is_refused(tiny_llama):
         m(BatchInput.build([(0, 0, list(range(3, 12)))]), cache)
     with pytest.raises(ValueError, match="max context"):
         m.new_cache(1, 10_000)
+
+
+def test_fp16_packed_weights_compute_like_fp32_on_rounded_weights(tiny_checkpoint):
+    """"float16" on a CPU: fp16 weights in FBGEMM's layout, fp32 activations. Its logits
+    must equal an fp32 model whose weights were rounded to fp16 (same numbers, same maths)."""
+    from specdec.linear import PackedFp16Linear, fbgemm_available, resolve_format
+
+    fmt = resolve_format("float16", "cpu")
+    assert fmt.packed == fbgemm_available() and fmt.act_dtype == (
+        torch.float32 if fmt.packed else torch.float16)
+    if not fmt.packed:
+        return  # no FBGEMM on this CPU: "float16" is plain fp16 here, covered elsewhere
+    m16 = Decoder.from_checkpoint(tiny_checkpoint, "float16")
+    assert isinstance(m16.layers[0].w["gate_up"], PackedFp16Linear)
+    ref = Decoder.from_checkpoint(tiny_checkpoint, torch.float32)
+    for layer in ref.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            lin = layer.w[name]
+            lin.weight = lin.weight.half().float()
+    ref.embed = ref.embed.half().float()
+    ref.lm_head.weight = ref.lm_head.weight.half().float()
+    ids = list(range(3, 30))
+    b = BatchInput.build([(0, 0, ids), (1, 0, ids[:7])])
+    idx = torch.arange(len(ids) + 7)
+    got = m16(b, m16.new_cache(2, 64), logit_indices=idx)
+    exp = ref(b, ref.new_cache(2, 64), logit_indices=idx)
+    assert (got - exp).abs().max() < 1e-4
+    assert m16.weight_bytes() < 0.6 * ref.weight_bytes()
+
+
+def test_auto_format_follows_the_machine():
+    from specdec.linear import cpu_has_native_bf16, fbgemm_available, resolve_format
+
+    fmt = resolve_format("auto", "cpu")
+    if cpu_has_native_bf16():
+        assert fmt.name == "bfloat16"
+    else:
+        assert fmt.name == ("float16" if fbgemm_available() else "float32")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        resolve_format("int3", "cpu")

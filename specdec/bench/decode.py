@@ -107,7 +107,7 @@ def measure_costs(args) -> dict:
     for role, ref in (("target", args.target), ("draft", args.draft)):
         m = Decoder.from_checkpoint(hub.resolve(ref), dtype, args.device)
         if role == "draft" and args.draft_vocab_limit:
-            m.lm_head = m.lm_head[: args.draft_vocab_limit].contiguous()
+            m = m.limit_vocab(args.draft_vocab_limit)
         cache = m.new_cache(1, 512)
         m(BatchInput.build([(0, 0, list(range(100, 300)))], m.device), cache)
         times = {}
