@@ -27,7 +27,7 @@ def parse_args(args: dict) -> AppArgs:
 
 def build_app(args: dict):
     cfg = parse_args(args)
-    bundles, _, _ = bundles_for(cfg.target, cfg.draft, replica_bundle={"CPU": cfg.replica_cpus})
+    bundles, _, _ = bundles_for(cfg, replica_cpus=cfg.replica_cpus)
     auto = cfg.engine_autoscaling
     engine = serve.deployment(EngineServer, name="Engine").options(
         ray_actor_options={"num_cpus": cfg.replica_cpus},
@@ -40,7 +40,7 @@ def build_app(args: dict):
             "upscale_delay_s": auto.upscale_delay_s,
             "downscale_delay_s": auto.downscale_delay_s},
         health_check_period_s=10, health_check_timeout_s=60,
-    ).bind(cfg.engine_config())
+    ).bind(cfg.engine_spec().model_dump(), cfg.replica_cpus)
     return Router.options(num_replicas=cfg.router_replicas,
                           max_ongoing_requests=cfg.router_max_ongoing_requests,
                           ray_actor_options={"num_cpus": cfg.router_cpus}).bind(

@@ -1,41 +1,13 @@
-"""The application's configuration (serve_config.yaml `args`), validated at deploy time."""
+"""The application's configuration (serve_config.yaml `args`), validated at deploy time.
+
+The engine part is specdec's EngineSpec (the same object `specdec generate --config` and
+the benchmarks assemble from); the rest is how Serve runs it."""
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from deployments.config import DraftGroupConfig, GroupRuntimeConfig, ModelGroupConfig
-
-
-class PolicySettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    k_max: int = Field(6, ge=1, le=16)
-    min_expected_tokens: int = Field(12, ge=0)
-    min_speedup: float = Field(1.05, ge=1.0)
-    draft_cost_ratio: float = Field(0.35, gt=0)
-    ngram_cost_ratio: float = Field(0.02, ge=0)
-    collapse_rounds: int = Field(4, ge=1)
-    collapse_alpha: float = Field(0.25, ge=0, le=1)
-
-
-class EngineAppConfig(BaseModel):
-    """Everything one engine replica needs."""
-
-    model_config = ConfigDict(extra="forbid")
-    target: ModelGroupConfig
-    draft: DraftGroupConfig | None = None
-    runtime: GroupRuntimeConfig = Field(default_factory=GroupRuntimeConfig)
-    ngram_min: int = Field(2, ge=1)
-    ngram_max: int = Field(5, ge=1)
-    max_tokens_per_step: int = Field(512, ge=16)
-    max_waiting: int = Field(64, ge=1)
-    policy: PolicySettings = Field(default_factory=PolicySettings)
-
-    @model_validator(mode="after")
-    def _check(self) -> EngineAppConfig:
-        if self.ngram_min > self.ngram_max:
-            raise ValueError("ngram_min must be <= ngram_max")
-        return self
+from specdec.engine_config import EngineSpec
 
 
 class Autoscaling(BaseModel):
@@ -53,14 +25,14 @@ class Autoscaling(BaseModel):
         return self
 
 
-class AppArgs(EngineAppConfig):
+class AppArgs(EngineSpec):
     """serve_config.yaml `args` of the application."""
 
     model_name: str | None = None        # the id served by /v1/models (default: target)
     default_max_tokens: int = Field(256, ge=1)
     engine_autoscaling: Autoscaling = Field(default_factory=Autoscaling)
-    replica_cpus: float = Field(0.1, ge=0)   # the engine replica's own bundle
-    router_cpus: float = Field(0.1, ge=0)
+    replica_cpus: float = Field(0.0, ge=0)   # the engine replica's own bundle
+    router_cpus: float = Field(0.0, ge=0)
     router_replicas: int = Field(1, ge=1)
     # Requests in flight per engine replica before Serve queues them. It must exceed the
     # engine's own capacity (slots + waiting) so an overloaded engine answers 503 itself
@@ -74,6 +46,5 @@ class AppArgs(EngineAppConfig):
     def served_name(self) -> str:
         return self.model_name or self.target.model
 
-    def engine_config(self) -> dict:
-        return EngineAppConfig.model_validate(
-            self.model_dump(include=set(EngineAppConfig.model_fields))).model_dump()
+    def engine_spec(self) -> EngineSpec:
+        return EngineSpec.model_validate(self.model_dump(include=set(EngineSpec.model_fields)))

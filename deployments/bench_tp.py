@@ -14,11 +14,10 @@ import time
 
 import torch
 
-from deployments.config import GroupRuntimeConfig, ModelGroupConfig
 from deployments.launch import local_ray
 from deployments.target import RayTargetRunner
 from specdec.bench.table import print_table, write_json
-from specdec.generate import dtype_from_name
+from specdec.engine_config import ModelGroupConfig, RuntimeConfig
 from specdec.hub import resolve
 from specdec.model import Decoder
 from specdec.progress import Progress
@@ -42,7 +41,7 @@ def _step_times(runner, steps: int, progress: Progress) -> list[float]:
 
 
 def main(args) -> int:
-    dtype = dtype_from_name(args.dtype)
+    dtype = args.dtype
     path = resolve(args.model)
     progress = Progress("bench tp", total=args.steps * (1 + len(args.tp)), unit=" steps")
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -62,8 +61,9 @@ def main(args) -> int:
     with local_ray(num_cpus=max(args.tp) + 1):
         for tp in args.tp:
             threads = max(1, args.threads // tp)
-            runtime = GroupRuntimeConfig(max_slots=1, max_len=512, gloo_socket_ifname="lo")
-            cfg = ModelGroupConfig(model=args.model, tp=tp, dtype=args.dtype, threads=threads)
+            runtime = RuntimeConfig(max_slots=1, max_len=512, gloo_socket_ifname="lo")
+            cfg = ModelGroupConfig(model=args.model, tp=tp, dtype=args.dtype, threads=threads,
+                                   resources={"num_cpus": threads})
             runner = RayTargetRunner(cfg, runtime)
             t = statistics.median(_step_times(runner, args.steps, progress))
             for s in runner.stats:

@@ -1,10 +1,10 @@
 """The draft model as its own Ray actor group, behind the engine's `Proposer` protocol.
 
-Its KV slots live in the actor. "How many were kept" and "sequence finished" notices ride
-along with the next propose call. A lost draft never fails a request: proposals come back
-empty (the engine decodes those rounds plainly) while the group is rebuilt in the
-background, and speculation resumes once it is back (sequences re-prefill their context in
-the new draft on their next round).
+Its KV slots and its copies of the sequences' contexts live in the actor: per round only
+what changed crosses (specdec/wire.py), and "sequence finished" notices ride along with the
+next call. A lost draft never fails a request: proposals come back empty (the engine
+decodes those rounds plainly) while the group is rebuilt in the background, and speculation
+resumes once it is back (sequences re-send their context to the new draft).
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import logging
 import threading
 import time
 
-from deployments.config import DraftGroupConfig, GroupRuntimeConfig
 from deployments.shard_group import GroupFailed, ShardGroup
+from specdec.engine_config import DraftGroupConfig, RuntimeConfig
 from specdec.proposers import Proposal, ProposeInput
+from specdec.wire import CallStats, ContextSender, payload_bytes
 
 log = logging.getLogger(__name__)
 
@@ -23,41 +24,47 @@ log = logging.getLogger(__name__)
 class RayDraftProposer:
     name = "draft"
 
-    def __init__(self, cfg: DraftGroupConfig, runtime: GroupRuntimeConfig,
+    def __init__(self, cfg: DraftGroupConfig, runtime: RuntimeConfig,
                  placement_group=None, bundle_indices: list[int] | None = None) -> None:
         self.group = ShardGroup("draft", cfg, runtime, placement_group, bundle_indices,
                                 extra={"sampling": cfg.sampling, "vocab_limit": cfg.vocab_limit,
-                                       "confidence_threshold": cfg.confidence_threshold})
+                                       "confidence_threshold": cfg.confidence_threshold,
+                                       "q_top_m": cfg.q_top_m})
         self.runtime = runtime
         self.stats = self.group.start()
-        self._accepted: dict[str, int] = {}
+        self.sender = ContextSender()
         self._released: list[str] = []
         self._lock = threading.Lock()
         self._rebuilding = False
         self.failures = 0
+        self.last_call: CallStats | None = None
 
     @property
     def available(self) -> bool:
         return bool(self.group.actors) and not self._rebuilding
 
     def propose(self, inputs: list[ProposeInput]) -> list[Proposal]:
+        self.last_call = None
         if not self.available:
             return [Proposal([]) for _ in inputs]
-        accepted, released = self._accepted, self._released
-        self._accepted, self._released = {}, []
+        deltas = self.sender.encode(inputs)
+        released, self._released = self._released, []
         try:
-            return self.group.call("draft_propose", inputs, accepted, released)
+            proposals, compute_s = self.group.call("draft_propose", deltas, released)
         except GroupFailed as exc:
             self.failures += 1
             log.error("draft group failed (%s); decoding plainly until it is back", exc)
             self._start_rebuild()
             return [Proposal([]) for _ in inputs]
+        self.last_call = CallStats(compute_s, payload_bytes((deltas, released))
+                                   + payload_bytes(proposals))
+        return proposals
 
     def accepted(self, seq_id: str, valid_len: int) -> None:
-        self._accepted[seq_id] = valid_len
+        """Nothing to send: the draft sees from the next context which guesses were kept."""
 
     def release(self, seq_id: str) -> None:
-        self._accepted.pop(seq_id, None)
+        self.sender.forget(seq_id)
         self._released.append(seq_id)
 
     def _start_rebuild(self) -> None:
@@ -66,7 +73,8 @@ class RayDraftProposer:
                 return
             self._rebuilding = True
         self.group.kill()
-        self._accepted, self._released = {}, []  # the new draft starts with empty slots
+        self.sender.reset()  # the new draft holds no context: the next call sends it all
+        self._released = []
         threading.Thread(target=self._rebuild_loop, daemon=True, name="draft-rebuild").start()
 
     def _rebuild_loop(self) -> None:

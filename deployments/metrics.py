@@ -8,6 +8,8 @@ rate(accepted) / rate(drafted) (not the paper's alpha); alpha = rate(accepted) /
 
 from __future__ import annotations
 
+import time
+
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 
@@ -34,6 +36,13 @@ class EngineMetrics:
                                        boundaries=[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                                                    0.5, 1, 2.5])
         self.running = Gauge("specdec_running_requests", "rows in the batch")
+        # The policy's inputs, as this engine measures them (names kept from when the
+        # router held them).
+        self.alpha = Gauge("specdec_router_alpha", "acceptance alpha the policy uses",
+                           tag_keys=("method",))
+        self.draft_cost_ratio = Gauge("specdec_router_draft_cost_ratio",
+                                      "draft step / target step the policy uses")
+        self._inputs_at = 0.0
 
     def admitted(self, method: str) -> None:
         self.requests.inc(tags={"method": method})
@@ -44,6 +53,18 @@ class EngineMetrics:
         if rec.max_k:  # only steps that drafted
             self.draft_seconds.observe(rec.draft_s)
         self.running.set(rec.rows)
+
+    def policy_inputs(self, policy, methods: list[str]) -> None:
+        """Refreshed about once a second: a gauge set once, right after it is created, can
+        be lost before Ray's exporter knows it."""
+        now = time.monotonic()
+        if now - self._inputs_at < 1.0:
+            return
+        self._inputs_at = now
+        for method in methods:
+            self.alpha.set(policy.acceptance.alpha(method), tags={"method": method})
+        c = policy.draft_cost if policy.draft_cost is not None else policy.config.draft_cost_ratio
+        self.draft_cost_ratio.set(c)
 
     def finished(self, out) -> None:
         m = out.method
@@ -71,22 +92,11 @@ class RouterMetrics:
         self.expected_tokens = Histogram(
             "specdec_router_expected_tokens", "expected completion length used by the policy",
             boundaries=[8, 16, 32, 64, 128, 256, 512, 1024, 2048])
-        self.alpha = Gauge("specdec_router_alpha", "acceptance alpha the policy used",
-                           tag_keys=("method",))
-        self.draft_cost_ratio = Gauge("specdec_router_draft_cost_ratio",
-                                      "draft step / target step the policy used")
 
-    def decided(self, d) -> None:
-        self.decisions.inc(tags={"mode": d.mode, "method": d.method, "k": str(d.k),
-                                 "why": d.why})
-        self.expected_speedup.observe(d.expected_speedup)
-        expected = d.inputs.get("expected_tokens")
+    def decided(self, d: dict) -> None:
+        self.decisions.inc(tags={"mode": d["mode"], "method": d["method"], "k": str(d["k"]),
+                                 "why": d["why"]})
+        self.expected_speedup.observe(d["expected_speedup"])
+        expected = d["inputs"].get("expected_tokens")
         if expected is not None:
             self.expected_tokens.observe(expected)
-
-    def policy_inputs(self, alpha: dict[str, float], draft_cost_ratio: float) -> None:
-        """Called on every load poll: a gauge set once, right after it is created, can be
-        lost before Ray's exporter knows it; refreshing it each second keeps it live."""
-        for method, a in alpha.items():
-            self.alpha.set(a, tags={"method": method})
-        self.draft_cost_ratio.set(draft_cost_ratio)

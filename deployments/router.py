@@ -1,10 +1,11 @@
-"""The `Router` deployment: HTTP ingress (OpenAI-compatible), request validation, and the
-per-request policy call (plain or speculative, method, k) from the live load and acceptance
-the engine replicas report. The policy itself is specdec.policy; no maths here."""
+"""The `Router` deployment: HTTP ingress (OpenAI-compatible), request validation and
+tokenization, and the hand-off to an engine replica with what the request says about
+speculation. The replica that runs a request decides plain or speculative and k from its
+own load (specdec/engine_policy.py); its decision comes back with the first chunk and is
+reported in `spec_decode` and the router's decision metrics. No maths here."""
 
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -26,15 +27,6 @@ from deployments.openai_api import (
 )
 from specdec.generate import load_tokenizer
 from specdec.hub import resolve
-from specdec.policy import (
-    Decision,
-    DraftCostModel,
-    LengthEstimator,
-    Load,
-    PolicyConfig,
-    StepCostModel,
-    decide,
-)
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="specdec-serve", version="0.1.0")
@@ -57,29 +49,8 @@ class RouterServer:
         self.engine = engine
         self.model_name = self.args.served_name()
         self.tokenizer = load_tokenizer(resolve(self.args.target.model))
-        self.policy = PolicyConfig(**self.args.policy.model_dump())
-        self.lengths = LengthEstimator(self.policy)
         self.max_len = self.args.runtime.max_len
-        self.load: dict = {}
-        self._poller: asyncio.Task | None = None
         self.metrics = RouterMetrics()
-
-    # ---- live load ------------------------------------------------------------------------
-
-    async def _poll_load(self) -> None:
-        while True:
-            try:
-                self.load = await self.engine.load.remote()
-            except Exception as exc:  # noqa: BLE001 - an engine restarting; keep the last
-                log.warning("engine load poll failed: %s", exc)
-            self.metrics.policy_inputs(
-                self.load.get("alpha") or dict(self.policy.acceptance_prior),
-                self.load.get("draft_cost_ratio") or self.policy.draft_cost_ratio)
-            await asyncio.sleep(1.0)
-
-    def _ensure_poller(self) -> None:
-        if self._poller is None or self._poller.done():
-            self._poller = asyncio.get_running_loop().create_task(self._poll_load())
 
     # ---- request handling -----------------------------------------------------------------
 
@@ -100,44 +71,7 @@ class RouterServer:
                                 f"{self.model_name!r}", param="model", code="model_not_found")
         return req
 
-    def _decide(self, req, prompt_tokens: int, max_tokens: int) -> Decision:
-        spec = req.speculative
-        load = self.load
-        methods = list(load.get("methods", ["draft", "ngram"] if self.args.draft else ["ngram"]))
-        if spec.method and spec.method not in methods:
-            raise APIError(400 if spec.method == "draft" and not self.args.draft else 503,
-                           f"speculative.method {spec.method!r} is not available "
-                           f"(available: {methods})", param="speculative.method")
-        if spec.mode == "off":
-            return Decision("plain", "none", 0, "request asked for plain decoding", 1.0, {},
-                            "request")
-        alpha = load.get("alpha") or dict(self.policy.acceptance_prior)
-        if load.get("draft_cost_ratio"):
-            self.policy = dataclasses.replace(self.policy,
-                                              draft_cost_ratio=load["draft_cost_ratio"])
-        cost = StepCostModel.with_fit(load.get("step_cost_fit"))
-        draft_cost = DraftCostModel.with_fit(load.get("draft_round_fit"))
-        curves = load.get("acceptance_curve")
-        lw = Load(load.get("running", 0), load.get("waiting", 0),
-                  max(load.get("tokens_per_step", 1.0), 1.0))
-        expected = self.lengths.expected(prompt_tokens, max_tokens, bool(req.stop))
-        if spec.mode == "on":
-            method = spec.method or ("draft" if "draft" in methods else "ngram")
-            d = decide(self.policy, [method], alpha, float("inf"), lw, cost,
-                       forced_method=method, forced_k=spec.k, draft_cost=draft_cost,
-                       curves=curves)
-            if d.k == 0:  # "on" means speculate: take the policy's k even below break-even
-                d = decide(self.policy, [method], alpha, float("inf"), lw, cost,
-                           forced_method=method, forced_k=min(4, self.policy.k_max),
-                           draft_cost=draft_cost, curves=curves)
-            d.reason = "request asked for speculation; " + d.reason
-            d.why = "request"
-            return d
-        return decide(self.policy, methods, alpha, expected, lw, cost,
-                      forced_method=spec.method, forced_k=spec.k, draft_cost=draft_cost,
-                      curves=curves)
-
-    def _prepare(self, req, prompt_ids: list[int], prompt_param: str) -> tuple[dict, Decision]:
+    def _prepare(self, req, prompt_ids: list[int], prompt_param: str) -> dict:
         if not prompt_ids:
             raise APIError(400, f"{prompt_param} is empty after tokenization", param=prompt_param)
         max_tokens = req.max_new_tokens(self.args.default_max_tokens)
@@ -152,38 +86,39 @@ class RouterServer:
                                     f"tokens) exceeds the context limit of {self.max_len}",
                                param="max_tokens", code="context_length_exceeded")
             max_tokens = self.max_len - len(prompt_ids)  # default shrinks to what fits
-        decision = self._decide(req, len(prompt_ids), max_tokens)
-        self.metrics.decided(decision)
-        payload = {
+        spec = req.speculative
+        return {
             "request_id": uuid.uuid4().hex, "prompt_ids": prompt_ids,
             "params": {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
                        "seed": req.seed, "max_tokens": max_tokens, "stop": tuple(req.stop or ()),
                        "ignore_eos": req.ignore_eos},
-            "method": decision.method, "k": decision.k,
-            "fixed_k": req.speculative.k is not None or req.speculative.mode == "off",
+            "speculative": {"mode": spec.mode, "method": spec.method, "k": spec.k},
         }
-        return payload, decision
 
     @staticmethod
-    def _spec_report(decision: Decision, final: dict) -> dict:
+    def _spec_report(decision: dict, final: dict) -> dict:
         s = final.get("spec") or {}
-        return {"mode": decision.mode, "method": decision.method, "k": decision.k,
+        return {"mode": decision["mode"], "method": decision["method"], "k": decision["k"],
                 "engine_s": final.get("engine_s"),
-                "k_last_round": final.get("k"), "reason": decision.reason,
-                "inputs": decision.inputs, "expected_speedup": round(decision.expected_speedup, 3),
+                "k_last_round": final.get("k"), "reason": decision["reason"],
+                "inputs": decision["inputs"],
+                "expected_speedup": round(decision["expected_speedup"], 3),
                 **{key: s.get(key) for key in ("rounds", "drafted", "accepted",
                                                "mean_acceptance_length",
                                                "draft_acceptance_ratio", "alpha_estimate",
                                                "per_position_acceptance", "plain_steps")}}
 
-    async def _respond(self, req, payload: dict, decision: Decision, chat: bool):
-        """The OpenAI response for completions or chat, streamed (SSE) or whole."""
+    async def _respond(self, req, payload: dict, chat: bool):
+        """The OpenAI response for completions or chat, streamed (SSE) or whole. The
+        engine's first answer (its decision, or a refusal) comes before any header, so a
+        refused request gets its status code even when it asked for a stream."""
+        gen, decision = await self._open(payload)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{payload['request_id']}",
                 "created": int(time.time()), "model": self.model_name}
         if req.stream:
             obj = "chat.completion.chunk" if chat else "text_completion"
 
-            def chunk(c, usage_only=False, decision=None):
+            def chunk(c, usage_only=False):
                 body = {**head, "object": obj, "choices": []}
                 if usage_only:
                     body["usage"] = _usage(c)
@@ -202,9 +137,9 @@ class RouterServer:
                 "index": 0, "delta": {"role": "assistant", "content": ""},
                 "finish_reason": None}]} if chat else None
             inc = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._sse(payload, decision, chunk, first, inc),
+            return StreamingResponse(self._sse(gen, chunk, first, inc),
                                      media_type="text/event-stream")
-        text, final = await self._collect(payload)
+        text, final = await self._collect(gen)
         reason = final.get("finish_reason")
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
                   "finish_reason": reason} if chat else \
@@ -213,23 +148,37 @@ class RouterServer:
                 "choices": [choice], "usage": _usage(final),
                 "spec_decode": self._spec_report(decision, final)}
 
-    def _stream(self, payload: dict):
-        return self.engine.options(stream=True).generate.remote(payload)
+    async def _open(self, payload: dict):
+        """Start the request on an engine replica and read its decision (or refusal)."""
+        gen = self.engine.options(stream=True).generate.remote(payload)
+        try:
+            first = await gen.__anext__()
+        except Exception as exc:  # the replica died or Serve could not reach one
+            gen.cancel()
+            raise APIError(503, f"no engine available: {type(exc).__name__}",
+                           "service_unavailable", code="engine_unavailable") from exc
+        try:
+            self._raise_for(first)
+        except APIError:
+            gen.cancel()
+            raise
+        self.metrics.decided(first["decision"])
+        return gen, first["decision"]
 
     @staticmethod
     def _raise_for(chunk: dict) -> None:
         if chunk.get("error_kind") == "capacity":
             raise APIError(503, chunk["error"], "overloaded_error", code="overloaded")
         if chunk.get("error_kind") == "invalid":
-            raise APIError(400, chunk["error"])
+            raise APIError(400, chunk["error"], param=chunk.get("param"))
         if chunk.get("finish_reason") == "error":
             raise APIError(503, f"the engine lost its target mid-request: {chunk['error']}",
                            "service_unavailable", code="engine_unavailable")
 
-    async def _collect(self, payload: dict) -> tuple[str, dict]:
+    async def _collect(self, gen) -> tuple[str, dict]:
         text, final = [], {}
         try:
-            async for chunk in self._stream(payload):
+            async for chunk in gen:
                 self._raise_for(chunk)
                 text.append(chunk.get("text", ""))
                 final = chunk
@@ -238,12 +187,9 @@ class RouterServer:
         except Exception as exc:  # the replica died or Serve could not reach one
             raise APIError(503, f"no engine available: {type(exc).__name__}",
                            "service_unavailable", code="engine_unavailable") from exc
-        self.lengths.observe(final.get("prompt_tokens", 0), final.get("completion_tokens", 0))
         return "".join(text), final
 
-    async def _sse(self, payload: dict, decision: Decision, make_chunk, first_chunk,
-                   include_usage: bool):
-        gen = self._stream(payload)
+    async def _sse(self, gen, make_chunk, first_chunk, include_usage: bool):
         finished = False
         try:
             if first_chunk is not None:
@@ -260,11 +206,8 @@ class RouterServer:
                 if chunk.get("text") or chunk.get("finished"):
                     yield f"data: {json.dumps(make_chunk(chunk))}\n\n"
                 finished = chunk.get("finished", False)
-            if final.get("finished"):
-                self.lengths.observe(final.get("prompt_tokens", 0),
-                                     final.get("completion_tokens", 0))
-                if include_usage:
-                    yield f"data: {json.dumps(make_chunk(final, usage_only=True, decision=decision))}\n\n"
+            if final.get("finished") and include_usage:
+                yield f"data: {json.dumps(make_chunk(final, usage_only=True))}\n\n"
             yield "data: [DONE]\n\n"
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
             finished = True
@@ -292,7 +235,6 @@ def _usage(final: dict) -> dict:
 class Router(RouterServer):
     @api.get("/health")
     async def health(self) -> dict:
-        self._ensure_poller()
         try:
             load = await asyncio.wait_for(self.engine.load.remote(), timeout=5)
         except Exception as exc:  # noqa: BLE001
@@ -308,7 +250,6 @@ class Router(RouterServer):
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
-        self._ensure_poller()
         req = await self._parse(request, CompletionRequest)
         if isinstance(req.prompt, str):
             ids = self.tokenizer(req.prompt).input_ids
@@ -318,12 +259,10 @@ class Router(RouterServer):
             if bad:
                 raise APIError(400, f"prompt holds token ids outside the vocabulary: {bad[:5]}",
                                param="prompt")
-        payload, decision = self._prepare(req, ids, "prompt")
-        return await self._respond(req, payload, decision, chat=False)
+        return await self._respond(req, self._prepare(req, ids, "prompt"), chat=False)
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request):
-        self._ensure_poller()
         req = await self._parse(request, ChatCompletionRequest)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
@@ -332,5 +271,4 @@ class Router(RouterServer):
         except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
             raise APIError(400, f"messages could not be formatted: {exc}",
                            param="messages") from exc
-        payload, decision = self._prepare(req, list(ids), "messages")
-        return await self._respond(req, payload, decision, chat=True)
+        return await self._respond(req, self._prepare(req, list(ids), "messages"), chat=True)

@@ -1,8 +1,18 @@
 """`ModelShard`: one rank of a tensor-parallel model, as a Ray actor.
 
 Rank 0 of the target group holds the target runner (forward + rejection sampler); rank 0
-of the draft group holds the draft proposer. Other ranks only follow rank 0's broadcasts.
-The maths lives in specdec; this file only places it in a process.
+of the draft group holds the draft proposer and its copies of the sequences' contexts (the
+engine sends only what changed). Other ranks only follow rank 0's broadcasts. The maths
+lives in specdec; this file only places it in a process.
+
+Threads: every call that computes runs in the "compute" concurrency group, one thread for
+the actor's life, so one OpenMP team serves every forward. (A threaded actor hands calls
+to a pool of executor threads in turn; each thread that starts a parallel region gets an
+OpenMP team of its own, and the teams of the previous calls still spin or sleep cold.)
+Ray's threads keep the OpenMP setting of the process environment, not what
+torch.set_num_threads() said in __init__, so the group starts each shard with
+OMP_NUM_THREADS in its runtime_env; `threads()` reports what the compute thread gets.
+Follower ranks block the compute thread in follow(); pings use the "control" group.
 """
 
 from __future__ import annotations
@@ -10,6 +20,7 @@ from __future__ import annotations
 import os
 import resource
 import socket
+import time
 from typing import Any
 
 import ray
@@ -17,11 +28,13 @@ import torch
 
 from specdec.hub import resolve
 from specdec.model import Decoder
+from specdec.openmp import omp_max_threads
 from specdec.parallel import Group, LeaderDecoder, follow
-from specdec.proposers import DraftModelProposer, ProposeInput
+from specdec.proposers import DraftModelProposer, Proposal
 from specdec.sampling import SamplingParams
 from specdec.sharding import ShardSpec
 from specdec.target_runner import LocalTargetRunner, TargetResult, TargetRow
+from specdec.wire import ContextDelta, ContextReceiver
 
 
 def _free_port() -> int:
@@ -30,10 +43,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@ray.remote(max_concurrency=4)  # follow() blocks one thread; pings and stats use others
+@ray.remote(concurrency_groups={"compute": 1, "control": 2})
 class ModelShard:
     def __init__(self, role: str, model: str, dtype: str, rank: int, world: int,
                  max_slots: int, max_len: int, threads: int, extra: dict[str, Any]) -> None:
+        cores = os.cpu_count() or 1
+        if threads > cores:
+            raise ValueError(f"{role}.threads: {threads} threads per rank, but node "
+                             f"{ray.util.get_node_ip_address()} has {cores} cores")
         torch.set_num_threads(max(1, threads))
         self.role, self.rank, self.world = role, rank, world
         self.model_ref, self.dtype = model, dtype
@@ -42,13 +59,23 @@ class ModelShard:
         self.group: Group | None = None
         self.runner: LocalTargetRunner | None = None
         self.proposer: DraftModelProposer | None = None
+        self.contexts = ContextReceiver()
 
+    @ray.method(concurrency_group="control")
     def address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), _free_port()
 
+    @ray.method(concurrency_group="control")
     def pid(self) -> int:
         return os.getpid()
 
+    @ray.method(concurrency_group="compute")
+    def threads(self) -> dict:
+        """Threads as a method thread sees them: torch's count and OpenMP's own setting."""
+        return {"torch": torch.get_num_threads(), "openmp": omp_max_threads(),
+                "env": os.environ.get("OMP_NUM_THREADS")}
+
+    @ray.method(concurrency_group="compute")
     def setup(self, init_method: str, collective_timeout_s: float) -> dict:
         """Join the group, read this rank's slice of the weights, allocate its KV cache."""
         self.group = Group(self.rank, self.world, init_method, self.device, collective_timeout_s)
@@ -68,7 +95,8 @@ class ModelShard:
                 self.proposer = DraftModelProposer(leader, self.max_slots, self.max_len,
                                                    self.extra.get("sampling", "probabilistic"),
                                                    self.extra.get("vocab_limit"),
-                                                   self.extra.get("confidence_threshold"))
+                                                   self.extra.get("confidence_threshold"),
+                                                   self.extra.get("q_top_m", 64))
         weights = local.weight_bytes()
         return {"rank": self.rank, "backend": self.group.backend, "device": self.device,
                 "weights_mb": weights / 2**20,
@@ -77,32 +105,42 @@ class ModelShard:
                 "rss_anon_mb": _rss_anon_mb(), "threads": torch.get_num_threads(),
                 "vocab_size": local.cfg.vocab_size, "format": local.format.name}
 
+    @ray.method(concurrency_group="compute")
     def follow(self) -> int:
         assert self.group is not None and self.rank > 0
         return follow(self.local, self.group, self.cache)
 
     # ---- rank 0 of the target group -------------------------------------------------------
 
+    @ray.method(concurrency_group="compute")
     def target_step(self, rows: list[TargetRow], started: dict[str, SamplingParams],
-                    ended: list[str]) -> list[TargetResult]:
+                    ended: list[str]) -> tuple[list[TargetResult], float]:
+        """Results and the seconds spent here (the caller's wall time minus this is the
+        call itself)."""
         assert self.runner is not None
+        t0 = time.perf_counter()
         for seq_id in ended:
             self.runner.end_sequence(seq_id)
         for seq_id, params in started.items():
             self.runner.start_sequence(seq_id, params)
-        return self.runner.step(rows)
+        return self.runner.step(rows), time.perf_counter() - t0
 
     # ---- rank 0 of the draft group --------------------------------------------------------
 
-    def draft_propose(self, inputs: list[ProposeInput], accepted: dict[str, int],
-                      released: list[str]):
+    @ray.method(concurrency_group="compute")
+    def draft_propose(self, deltas: list[ContextDelta], released: list[str]
+                      ) -> tuple[list[Proposal], float]:
         assert self.proposer is not None
-        for seq_id, n in accepted.items():
-            self.proposer.accepted(seq_id, n)
+        t0 = time.perf_counter()
         for seq_id in released:
             self.proposer.release(seq_id)
-        return self.proposer.propose(inputs)
+            self.contexts.release(seq_id)
+        inputs = self.contexts.decode(deltas)
+        for seq_id, keep in self.contexts.rewound.items():
+            self.proposer.accepted(seq_id, keep)
+        return self.proposer.propose(inputs), time.perf_counter() - t0
 
+    @ray.method(concurrency_group="compute")
     def stop(self) -> None:
         if self.rank == 0 and self.group is not None:
             (self.runner.model if self.runner else self.proposer.model).stop_followers()

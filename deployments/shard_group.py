@@ -10,8 +10,8 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deployments.config import GroupRuntimeConfig, ModelGroupConfig
 from deployments.shard import ModelShard
+from specdec.engine_config import ModelGroupConfig, RuntimeConfig
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ class GroupFailed(RuntimeError):
 
 
 class ShardGroup:
-    def __init__(self, role: str, cfg: ModelGroupConfig, runtime: GroupRuntimeConfig,
+    def __init__(self, role: str, cfg: ModelGroupConfig, runtime: RuntimeConfig,
                  placement_group: PlacementGroup | None = None,
                  bundle_indices: list[int] | None = None, extra: dict | None = None) -> None:
         self.role, self.cfg, self.runtime = role, cfg, runtime
@@ -43,9 +43,13 @@ class ShardGroup:
         opts: dict = {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus,
                       "resources": res.resources or None, "max_restarts": 0,
                       "name": f"specdec-{self.role}-{self._uid}-g{self.generation}-r{rank}"}
+        # OpenMP reads its thread count from the environment on Ray's executor threads:
+        # set it there, or a fractional-CPU actor computes on one thread (see shard.py).
+        threads = str(self.cfg.threads_per_rank())
+        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         if self.runtime.gloo_socket_ifname:
-            opts["runtime_env"] = {"env_vars": {"GLOO_SOCKET_IFNAME":
-                                                self.runtime.gloo_socket_ifname}}
+            env["GLOO_SOCKET_IFNAME"] = self.runtime.gloo_socket_ifname
+        opts["runtime_env"] = {"env_vars": env}
         if self.pg is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=self.bundles[rank] if self.bundles else -1)
@@ -54,7 +58,7 @@ class ShardGroup:
     def start(self) -> list[dict]:
         t0 = time.monotonic()
         world = self.cfg.tp
-        threads = self.cfg.threads or max(1, int(self.cfg.resources.num_cpus))
+        threads = self.cfg.threads_per_rank()
         # Create every rank before waiting on any: ranks block in setup until all join.
         self.actors = [ModelShard.options(**self._options(r)).remote(
             self.role, self.cfg.model, self.cfg.dtype, r, world, self.runtime.max_slots,

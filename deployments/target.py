@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import logging
 
-from deployments.config import GroupRuntimeConfig, ModelGroupConfig
 from deployments.shard_group import GroupFailed, ShardGroup
+from specdec.engine_config import ModelGroupConfig, RuntimeConfig
 from specdec.sampling import SamplingParams
 from specdec.target_runner import TargetResult, TargetRow
+from specdec.wire import CallStats, payload_bytes
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ class TargetUnavailable(RuntimeError):
 
 
 class RayTargetRunner:
-    def __init__(self, cfg: ModelGroupConfig, runtime: GroupRuntimeConfig,
+    def __init__(self, cfg: ModelGroupConfig, runtime: RuntimeConfig,
                  placement_group=None, bundle_indices: list[int] | None = None) -> None:
         self.group = ShardGroup("target", cfg, runtime, placement_group, bundle_indices)
         self.max_slots, self.max_len = runtime.max_slots, runtime.max_len
@@ -33,6 +34,7 @@ class RayTargetRunner:
         self._started: dict[str, SamplingParams] = {}
         self._ended: list[str] = []
         self.failures = 0
+        self.last_call: CallStats | None = None
 
     def start_sequence(self, seq_id: str, params: SamplingParams) -> None:
         self._started[seq_id] = params
@@ -47,7 +49,7 @@ class RayTargetRunner:
         started, ended = self._started, self._ended
         self._started, self._ended = {}, []
         try:
-            return self.group.call("target_step", rows, started, ended)
+            results, compute_s = self.group.call("target_step", rows, started, ended)
         except GroupFailed as exc:
             self.failures += 1
             log.error("target group failed (%s); rebuilding", exc)
@@ -57,6 +59,9 @@ class RayTargetRunner:
             except Exception as rebuild_exc:  # noqa: BLE001 - tried again on the next step
                 log.error("target group rebuild failed: %s", rebuild_exc)
             raise TargetUnavailable(str(exc)) from exc
+        self.last_call = CallStats(compute_s, payload_bytes((rows, started, ended))
+                                   + payload_bytes(results))
+        return results
 
     def _rebuild(self) -> None:
         self.stats = self.group.start()

@@ -75,8 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
     m_fetch.set_defaults(func=_models_fetch)
 
     g = sub.add_parser("generate", help="generate text from a prompt")
-    g.add_argument("--target", required=True, help="pack name, checkpoint dir or hub id")
+    g.add_argument("--target", default=None, help="pack name, checkpoint dir or hub id")
     g.add_argument("--draft", default=None, help="draft model (same tokenizer as the target)")
+    g.add_argument("--config", default=None, metavar="YAML",
+                   help="take the engine from an application config (serve_config.yaml): "
+                        "the engine the service runs, here in this process")
+    g.add_argument("--app", default=None, help="application name in --config")
+    g.add_argument("--ray", action="store_true",
+                   help="run the target and draft as Ray actor groups (a private local Ray)")
+    g.add_argument("--draft-sampling", choices=["probabilistic", "greedy"],
+                   default="probabilistic")
+    g.add_argument("--draft-vocab-limit", type=int, default=None,
+                   help="the draft guesses only among the first N token ids")
     g.add_argument("--method", choices=["draft", "ngram", "none"], default=None,
                    help="speculation method (default: draft if --draft is given, else none)")
     g.add_argument("--k", type=int, default=4, help="draft tokens per round")
@@ -92,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight format (auto: the fastest on this machine)")
     g.add_argument("--json", action="store_true", help="print a JSON record instead of text")
     g.set_defaults(func=_generate)
 
@@ -100,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="bench_cmd", required=True)
     b_core = bench.add_parser("core", help="plain decoding: our core vs transformers generate")
     b_core.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-1.5b"])
-    b_core.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    b_core.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     b_core.add_argument("--max-tokens", type=int, default=64)
     b_core.add_argument("--repeats", type=int, default=3)
     b_core.add_argument("--json", metavar="PATH", default=None)
@@ -108,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     b_dec = bench.add_parser("decode", help="speculative vs plain, ours vs transformers")
     b_dec.add_argument("--target", default="qwen2.5-coder-1.5b")
     b_dec.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    b_dec.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    b_dec.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     b_dec.add_argument("--max-tokens", type=int, default=128)
     b_dec.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5, 6])
     b_dec.add_argument("--ngram-k", type=int, default=4)
@@ -140,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     b_srv.set_defaults(func=_bench_serve)
     b_tp = bench.add_parser("tp", help="tensor-parallel group overhead and memory per shard")
     b_tp.add_argument("--model", default="qwen2.5-coder-1.5b")
-    b_tp.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    b_tp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     b_tp.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     b_tp.add_argument("--threads", type=int, default=2, help="CPU threads shared by the ranks")
     b_tp.add_argument("--steps", type=int, default=20)

@@ -1,36 +1,93 @@
-"""`specdec generate`: one prompt through the engine, as text or a JSON record."""
+"""`specdec generate`: one prompt through the engine, as text or a JSON record.
+
+The engine is assembled by specdec.assemble from an EngineSpec: built from the flags, or
+read from an application config (`--config serve_config.yaml`: the engine the service
+runs). It runs in this process, or with `--tp N` / `--ray` as Ray actor groups.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
+from pathlib import Path
 
-from specdec.build import LocalEngineSpec, build_local_engine
+from specdec.assemble import LocalBackend, assemble
+from specdec.engine_config import DraftGroupConfig, EngineSpec, ModelGroupConfig, RuntimeConfig
 from specdec.request import Request
 from specdec.sampling import SamplingParams
 
 
+def spec_from_config(path: str | Path, app: str | None = None) -> EngineSpec:
+    """The EngineSpec of an application in a Serve config file (its `args`)."""
+    import yaml
+
+    doc = yaml.safe_load(Path(path).read_text())
+    apps = doc.get("applications") or []
+    chosen = [a for a in apps if app is None or a.get("name") == app]
+    if not chosen:
+        raise ValueError(f"{path}: no application{' named ' + repr(app) if app else ''}")
+    args = chosen[0].get("args") or {}
+    return EngineSpec.model_validate({k: v for k, v in args.items()
+                                      if k in EngineSpec.model_fields})
+
+
+def spec_from_args(args) -> EngineSpec:
+    if args.config:
+        return spec_from_config(args.config, args.app)
+    if not args.target:
+        raise ValueError("give --target MODEL (or --config serve_config.yaml)")
+    cores = os.cpu_count() or 1
+    tp = max(args.tp, 1)
+    target = ModelGroupConfig(model=args.target, tp=tp, dtype=args.dtype,
+                              threads=max(1, cores // tp),
+                              resources={"num_cpus": max(1, cores // tp)})
+    draft = None
+    if args.draft:
+        draft = DraftGroupConfig(model=args.draft, tp=args.draft_tp, dtype=args.dtype,
+                                 sampling=args.draft_sampling,
+                                 vocab_limit=args.draft_vocab_limit,
+                                 threads=max(1, cores // args.draft_tp),
+                                 resources={"num_cpus": 0} if args.draft_tp == 1 else
+                                 {"num_cpus": max(1, cores // args.draft_tp)})
+    return EngineSpec(target=target, draft=draft, warmup=False,
+                      runtime=RuntimeConfig(max_slots=1, max_len=args.max_len,
+                                            gloo_socket_ifname="lo"))
+
+
+@contextlib.contextmanager
+def open_engine(spec: EngineSpec, ray_groups: bool, device: str = "cpu"):
+    """The assembled engine: in this process, or its groups as actors in a private Ray."""
+    if not ray_groups:
+        with assemble(spec, LocalBackend(device)) as built:
+            yield built
+        return
+    # The Ray path lives in deployments/ (specdec itself never imports ray).
+    from deployments.launch import local_ray, ray_engine
+    from deployments.placement import bundles_for
+
+    bundles, _, _ = bundles_for(spec)
+    cpus = sum(b.get("CPU", 0) for b in bundles)
+    with local_ray(num_cpus=max(2, int(cpus + 0.999))), ray_engine(spec) as built:
+        yield built
+
+
 def run_generate(args) -> int:
-    method = args.method or ("draft" if args.draft else "none")
-    if method == "draft" and not args.draft:
+    spec = spec_from_args(args)
+    method = args.method or ("draft" if spec.draft is not None else "none")
+    if method == "draft" and spec.draft is None:
         raise ValueError("--method draft needs --draft MODEL")
     k = args.k if method != "none" else 0
     if method != "none" and k < 1:
         raise ValueError("--k must be >= 1 for speculative methods")
-    if args.tp > 0:
-        # The Ray path lives in deployments/ (specdec itself never imports ray).
-        from deployments.launch import generate_with_ray
-
-        return generate_with_ray(args, method, k, lambda engine, tok, load_s: _generate(
-            args, method, k, engine, tok, load_s))
     t0 = time.perf_counter()
-    engine, tok = build_local_engine(LocalEngineSpec(
-        target=args.target, draft=args.draft if method == "draft" else None, dtype=args.dtype,
-        max_slots=1, max_len=args.max_len))
-    return _generate(args, method, k, engine, tok, time.perf_counter() - t0)
+    with open_engine(spec, ray_groups=args.tp > 0 or args.ray) as built:
+        return _generate(args, spec, method, k, built, time.perf_counter() - t0)
 
 
-def _generate(args, method, k, engine, tok, load_s) -> int:
+def _generate(args, spec, method, k, built, load_s) -> int:
+    tok = built.tokenizer
     if args.chat:
         prompt_ids = tok.apply_chat_template(
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True,
@@ -45,13 +102,15 @@ def _generate(args, method, k, engine, tok, load_s) -> int:
             print(out.new_text, end="", flush=True)
 
     t0 = time.perf_counter()
-    out = engine.run([Request("cli", prompt_ids, params, method, k, stream)])["cli"]
+    out = built.engine.run([Request("cli", prompt_ids, params, method, k, stream,
+                                    fixed_k=True)])["cli"]
     elapsed = time.perf_counter() - t0
     if args.json:
         print(json.dumps({
-            "target": args.target, "draft": args.draft, "method": method, "k": k,
-            "tp": args.tp, "draft_tp": args.draft_tp if args.draft else None,
-            "dtype": args.dtype, "prompt_tokens": len(prompt_ids),
+            "target": spec.target.model, "draft": spec.draft.model if spec.draft else None,
+            "method": method, "k": k, "tp": spec.target.tp,
+            "draft_tp": spec.draft.tp if spec.draft else None,
+            "dtype": spec.target.dtype, "prompt_tokens": len(prompt_ids),
             "completion_tokens": len(out.token_ids), "finish_reason": out.finish_reason,
             "text": out.text, "token_ids": out.token_ids, "load_s": round(load_s, 3),
             "elapsed_s": round(elapsed, 4),

@@ -34,17 +34,29 @@ class EngineConfig:
 
 @dataclasses.dataclass
 class StepRecord:
-    """What one step cost, for load estimates (tokens per step -> step time)."""
-    rows: int
-    tokens: int
-    draft_s: float
-    verify_s: float
+    """One step's timeline and what it carried: the policy fits its costs on it, metrics
+    export it, and `bench served` breaks a request's time down with it."""
+    rows: int               # rows in the target forward (decode, speculative, prefill)
+    tokens: int             # tokens through the target forward
+    draft_s: float          # all proposers, wall time seen by the engine
+    verify_s: float         # the target call, wall time seen by the engine
     max_k: int = 0          # the longest draft of the step (draft forwards run in sequence)
     # The draft model's own share: rows it drafted for, the largest k asked of it (its
     # forwards run in sequence, rows batched), and its time. The policy fits its cost on it.
     draft_rows: int = 0
     draft_k: int = 0
     draft_model_s: float = 0.0
+    prefill_tokens: int = 0
+    plan_s: float = 0.0     # policy and batch building before the draft call
+    post_s: float = 0.0     # rejection results applied: stops, detokenizing, streaming
+    step_s: float = 0.0     # the whole step
+    # Inside the other processes (equal to the wall times when they run in this one):
+    # the difference is the call itself (serialization, scheduling, transport).
+    draft_compute_s: float = 0.0
+    target_compute_s: float = 0.0
+    draft_bytes: int = 0    # bytes crossing to and from the draft (0 in-process)
+    target_bytes: int = 0
+    end: float = 0.0        # time.perf_counter() at the step's end
 
 
 @dataclasses.dataclass
@@ -117,11 +129,13 @@ class Engine:
         with self._lock:
             waiting = len(self._waiting)
         recent = list(self.history)[-16:]
+        n = max(len(recent), 1)
         return {
             "running": len(self._running), "waiting": waiting,
             "free_slots": len(self._free_slots),
-            "tokens_per_step": sum(r.tokens for r in recent) / len(recent) if recent else 0.0,
-            "step_s": sum(r.draft_s + r.verify_s for r in recent) / len(recent) if recent else 0.0,
+            "tokens_per_step": sum(r.tokens for r in recent) / n,
+            "prefill_tokens_per_step": sum(r.prefill_tokens for r in recent) / n,
+            "step_s": sum(r.step_s for r in recent) / n,
         }
 
     # ---- the step -------------------------------------------------------------------------
@@ -132,7 +146,9 @@ class Engine:
         self._admit()
         if not self._running:
             return outputs
-        rows, num_draft, t_draft, drafting = self._plan()
+        t_start = time.perf_counter()
+        rec = StepRecord(0, 0, 0.0, 0.0)
+        rows, num_draft = self._plan(rec)
         t0 = time.perf_counter()
         try:
             results = self.target.step(rows)
@@ -141,11 +157,15 @@ class Engine:
             for seq in list(self._running.values()):
                 outputs.append(self._finish(seq, "error", error=f"target failed: {exc}"))
             return outputs
-        t_verify = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        rec.verify_s = t1 - t0
+        call = getattr(self.target, "last_call", None)
+        rec.target_compute_s = call.compute_s if call else rec.verify_s
+        rec.target_bytes = call.bytes if call else 0
+        rec.rows, rec.tokens = len(rows), sum(len(r.tokens) for r in rows)
+        rec.prefill_tokens = sum(len(r.tokens) for r in rows if r.seq_id not in num_draft)
+        rec.max_k = max(num_draft.values(), default=0)
         self.steps += 1
-        self.history.append(StepRecord(len(rows), sum(len(r.tokens) for r in rows),
-                                       t_draft, t_verify, max(num_draft.values(), default=0),
-                                       *drafting))
         by_id = {r.seq_id: r for r in results}
         for row in rows:
             seq = self._running[row.seq_id]
@@ -153,9 +173,12 @@ class Engine:
                 seq.cached += len(row.tokens)
                 continue
             if num_draft.get(row.seq_id, 0):
-                seq.spec.draft_s += t_draft
-            seq.spec.verify_s += t_verify
+                seq.spec.draft_s += rec.draft_s
+            seq.spec.verify_s += rec.verify_s
             outputs.append(self._advance(seq, row, by_id[row.seq_id]))
+        rec.end = time.perf_counter()
+        rec.post_s, rec.step_s = rec.end - t1, rec.end - t_start
+        self.history.append(rec)
         return outputs
 
     def _apply_aborts(self, outputs: list[RequestOutput]) -> None:
@@ -193,7 +216,10 @@ class Engine:
         room = self.target.max_len - seq.cached - pending
         return max(0, min(k, remaining - 1, room))
 
-    def _plan(self) -> tuple[list[TargetRow], dict[str, int], float, tuple[int, int, float]]:
+    def _plan(self, rec: StepRecord) -> tuple[list[TargetRow], dict[str, int]]:
+        """This step's target rows, and the number of guesses of each decode row. Fills the
+        planning and drafting parts of rec."""
+        t_plan = time.perf_counter()
         decode = [s for s in self._running.values() if s.cached >= s.prompt_len]
         prefill = [s for s in self._running.values() if s.cached < s.prompt_len]
         asks: dict[str, list[ProposeInput]] = collections.defaultdict(list)
@@ -203,28 +229,33 @@ class Engine:
                 asks[seq.req.method].append(
                     ProposeInput(seq.req.request_id, seq.tokens, seq.k_now, seq.req.params))
         t0 = time.perf_counter()
+        rec.plan_s = t0 - t_plan
         proposals = {}
-        drafting = (0, 0, 0.0)
         for method, inputs in asks.items():
             t_method = time.perf_counter()
+            proposer = self.proposers[method]
             try:
-                got = self.proposers[method].propose(inputs)
+                got = proposer.propose(inputs)
             except Exception:  # a failed proposer costs speed, never a request
                 log.exception("proposer %s failed; decoding plainly this round", method)
                 got = []
             proposals.update({i.seq_id: p for i, p in zip(inputs, got, strict=False)})
+            spent = time.perf_counter() - t_method
+            call = getattr(proposer, "last_call", None)
+            rec.draft_compute_s += call.compute_s if call else spent
+            rec.draft_bytes += call.bytes if call else 0
             if method == "draft" and got:
-                drafting = (len(inputs), max(i.k for i in inputs),
-                            time.perf_counter() - t_method)
-        t_draft = time.perf_counter() - t0
+                rec.draft_rows, rec.draft_k = len(inputs), max(i.k for i in inputs)
+                rec.draft_model_s = spent
+        rec.draft_s = time.perf_counter() - t0
         rows: list[TargetRow] = []
         num_draft: dict[str, int] = {}
         for seq in decode:
             rid = seq.req.request_id
             prop = proposals.get(rid)
             guesses = prop.token_ids[: seq.k_now] if prop else []
-            probs = prop.probs[: len(guesses)] if prop and prop.probs is not None and guesses \
-                else None
+            q = (prop.q_ids[: len(guesses)], prop.q_probs[: len(guesses)]) \
+                if prop and prop.q_probs is not None and guesses else None
             num_draft[rid] = len(guesses)
             if seq.k_now and not guesses:
                 # Asked for guesses, got none (no n-gram match, draft down): for the policy
@@ -232,7 +263,7 @@ class Engine:
                 seq.spec.empty_proposals += 1
                 self.totals[seq.req.method].empty_proposals += 1
             rows.append(TargetRow(rid, seq.slot, seq.cached, seq.tokens[seq.cached:] + guesses,
-                                  len(guesses), probs, True))
+                                  len(guesses), q, True))
         budget = self.config.max_tokens_per_step - sum(len(r.tokens) for r in rows)
         budget = max(budget, self.config.min_prefill_chunk)
         for seq in prefill:
@@ -244,7 +275,7 @@ class Engine:
             rows.append(TargetRow(seq.req.request_id, seq.slot, seq.cached, chunk, 0, None, done))
             if done:
                 seq.k_now = 0
-        return rows, num_draft, t_draft, drafting
+        return rows, num_draft
 
     def _advance(self, seq: _Seq, row: TargetRow, res: TargetResult) -> RequestOutput:
         req = seq.req

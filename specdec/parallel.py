@@ -26,6 +26,10 @@ from specdec.model import Decoder
 _STEP, _STOP = 1, 2
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def pick_backend(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
@@ -45,13 +49,19 @@ class Group:
     def __init__(self, rank: int, world: int, init_method: str, device: torch.device | str,
                  timeout_s: float) -> None:
         backend = pick_backend(device)
+        self.rank, self.world, self.backend = rank, world, backend
+        if world == 1:
+            # Nothing to talk to: no process group, no collectives.
+            self.compute = self.control = None
+            return
         dist.init_process_group(backend, init_method=init_method, rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-        self.rank, self.world, self.backend = rank, world, backend
         self.compute = dist.group.WORLD
         self.control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
 
     def all_reduce_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        if self.world == 1:
+            return _identity
         group = self.compute
 
         def all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -208,9 +208,14 @@ class DraftCostModel(_OnlineFit):
 
 @dataclasses.dataclass
 class Load:
-    running: int = 0           # rows in the engine's batch
+    """The batch a decision is made for. The plain step it is compared with holds one token
+    per running row plus the prefill tokens that ride along; a speculative round adds k per
+    row on top. (Tokens per step as measured already contain the running rows' drafts:
+    taking them as the plain base would count every draft twice.)"""
+
+    running: int = 0            # decoding rows, the one being decided included
     waiting: int = 0
-    tokens_per_step: float = 1.0
+    prefill_tokens: float = 0.0  # prompt tokens per step being prefilled alongside
 
 
 @dataclasses.dataclass
@@ -223,6 +228,9 @@ class Decision:
     inputs: dict
     # A short label of the reason, for metrics (the reason text carries the numbers).
     why: str = "goodput"
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
@@ -239,7 +247,7 @@ def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
     time when both are measured, else k * config.draft_cost_ratio."""
     inputs = {"expected_tokens": round(expected_tokens, 1) if math.isfinite(expected_tokens)
               else None, "running": load.running,
-              "waiting": load.waiting, "tokens_per_step": round(load.tokens_per_step, 2),
+              "waiting": load.waiting, "prefill_tokens": round(load.prefill_tokens, 1),
               "alpha": {m: round(a, 3) for m, a in alpha.items()}}
     if curves:
         inputs["acceptance_curve"] = {m: [round(r, 3) for r in c] for m, c in curves.items()}
@@ -253,15 +261,14 @@ def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
     best = Decision("plain", "none", 0, "no k beats plain decoding at this load and acceptance",
                     1.0, inputs, "no_gain")
     candidates = [forced_method] if forced_method else methods
-    base = max(load.tokens_per_step, 1.0)
-    # Each row of the batch drafts too, so verify grows by k per speculative row.
     rows = max(load.running, 1)
+    base = rows + load.prefill_tokens  # a plain step: one token per row
     plain_step = cost.step_seconds(base)
     for m in candidates:
         c = config.draft_cost_ratio if m == "draft" else config.ngram_cost_ratio
         ks = [forced_k] if forced_k is not None else range(1, config.k_max + 1)
         for k in ks:
-            v = cost.verify_cost(base, rows * k)
+            v = cost.verify_cost(base, rows * k)  # every row of the batch drafts k
             measured = draft_cost.round_seconds(k, rows) if m == "draft" and draft_cost \
                 else None
             if measured is not None and plain_step:

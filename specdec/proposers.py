@@ -29,8 +29,12 @@ class ProposeInput:
 
 @dataclasses.dataclass
 class Proposal:
-    token_ids: list[int]                 # at most k guesses; may be empty
-    probs: torch.Tensor | None = None    # [len, V] q; None means one-hot q
+    """At most k guesses (maybe none) and the distribution q each was drawn from, as
+    (ids, probs) [len, m]: q is zero outside ids. None means one-hot q (greedy, n-gram)."""
+
+    token_ids: list[int]
+    q_ids: torch.Tensor | None = None     # [len, m] int
+    q_probs: torch.Tensor | None = None   # [len, m] float32, rows sum to 1
 
 
 class Proposer(Protocol):
@@ -85,6 +89,18 @@ class _DraftSeq:
     slot: int
     cached: int                  # tokens of the sequence in the draft's KV cache
     generator: torch.Generator
+    base: int = 0                # context length at the last proposal
+    guesses: list[int] = dataclasses.field(default_factory=list)  # that proposal
+
+    def valid_after(self, context: list[int]) -> int:
+        """KV entries still right for this context: the old context (the caller rewinds
+        explicitly through accepted() if it ever rewrote it) and the guesses it kept."""
+        kept = 0
+        for g, t in zip(self.guesses, context[self.base:], strict=False):
+            if g != t:
+                break
+            kept += 1
+        return min(self.cached, self.base + kept)
 
 
 class DraftModelProposer:
@@ -92,6 +108,13 @@ class DraftModelProposer:
 
     sampling="probabilistic" samples each guess from the warped draft distribution and sends
     q; "greedy" proposes the draft's argmax and sends only token ids (one-hot q).
+
+    q_top_m: a sampled guess is drawn from the draft's m most likely tokens, renormalized,
+    and exactly that distribution is q. The rejection rule is exact for ANY q the guess was
+    really drawn from (keep x with min(1, p(x)/q(x)), else draw from max(0, p - q)): the
+    kept-or-corrected token is distributed as p whatever q is, so a truncated q costs only
+    acceptance (the mass outside the top m), never exactness, and q crosses a process
+    boundary as m (id, prob) pairs instead of a vocabulary row. None keeps the full q.
 
     confidence_threshold: a row stops drafting (before its k) once the draft's probability
     of its own latest guess falls below it; that guess is still proposed. Guesses after an
@@ -104,7 +127,8 @@ class DraftModelProposer:
     def __init__(self, model: Decoder, max_slots: int, max_len: int,
                  sampling: Literal["probabilistic", "greedy"] = "probabilistic",
                  vocab_limit: int | None = None,
-                 confidence_threshold: float | None = None) -> None:
+                 confidence_threshold: float | None = None,
+                 q_top_m: int | None = 64) -> None:
         if sampling not in ("probabilistic", "greedy"):
             raise ValueError("draft sampling must be 'probabilistic' or 'greedy'")
         if confidence_threshold is not None and not 0.0 <= confidence_threshold < 1.0:
@@ -116,6 +140,9 @@ class DraftModelProposer:
             # Narrow the projection once (the layers stay shared): the draft then only
             # scores the kept ids.
             model = model.limit_vocab(vocab_limit)
+        if q_top_m is not None and q_top_m < 1:
+            raise ValueError("draft q_top_m must be >= 1")
+        self.q_top_m = q_top_m
         self.vocab_limit = vocab_limit
         self.model = model
         self.cache = model.new_cache(max_slots, max_len)
@@ -142,11 +169,14 @@ class DraftModelProposer:
         if not inputs:
             return [out[i.seq_id] for i in requested]
         seqs = [self._seq(i) for i in inputs]
+        for s, i in zip(seqs, inputs, strict=True):
+            s.cached = s.valid_after(i.context)  # O(1) rollback of guesses not kept
         # Drafting uses the request's warp; a greedy draft proposes argmax (temperature 0).
         dparams = [SamplingParams(temperature=0.0) if self.sampling == "greedy" else i.params
                    for i in inputs]
         tokens: list[list[int]] = [[] for _ in inputs]
-        qs: list[list[torch.Tensor]] = [[] for _ in inputs]
+        q_ids: list[list[torch.Tensor]] = [[] for _ in inputs]
+        q_probs: list[list[torch.Tensor]] = [[] for _ in inputs]
         # Step 0 catches the cache up with the context (a prefill the first time, then the
         # 1-2 tokens the target added last round); later steps feed one guess each.
         rows = [(s.slot, s.cached, i.context[s.cached:]) for s, i in zip(seqs, inputs, strict=True)]
@@ -158,16 +188,22 @@ class DraftModelProposer:
                 # still, and the draft's vocabulary projection shrinks accordingly.
                 logits = logits[:, : self.vocab_limit]
             if all(dparams[b].greedy for b in live):
-                picks, probs = logits.argmax(-1).tolist(), None  # one-hot q: ids suffice
+                picks = logits.argmax(-1).tolist()  # one-hot q: ids suffice
+                ids = probs = None
+                conf = self._greedy_confidence(logits, picks) \
+                    if self.confidence_threshold is not None else None
             else:
-                probs = warp_probs(logits, [dparams[b] for b in live])
-                picks = sample(probs, [seqs[b].generator for b in live]).tolist()
-            sure = self._sure(logits, probs, picks)
+                ids, probs = self._top_m(warp_probs(logits, [dparams[b] for b in live]))
+                local = sample(probs, [seqs[b].generator for b in live]).unsqueeze(1)
+                picks = ids.gather(1, local).squeeze(1).tolist()
+                conf = probs.gather(1, local).squeeze(1)
+            sure = self._sure(conf)
             next_rows, next_live = [], []
             for j, b in enumerate(live):
                 tokens[b].append(picks[j])
                 if probs is not None:
-                    qs[b].append(probs[j])
+                    q_ids[b].append(ids[j])
+                    q_probs[b].append(probs[j])
                 if step + 1 < inputs[b].k and sure[j]:
                     pos = len(inputs[b].context) + step
                     next_rows.append((seqs[b].slot, pos, [picks[j]]))
@@ -178,21 +214,32 @@ class DraftModelProposer:
         for b, (inp, s) in enumerate(zip(inputs, seqs, strict=True)):
             # The last guess was never fed back, so the cache holds context + k - 1 tokens.
             s.cached = len(inp.context) + len(tokens[b]) - 1
-            one_hot = self.sampling == "greedy" or inp.params.greedy or not qs[b]
-            out[inp.seq_id] = Proposal(tokens[b], None if one_hot else torch.stack(qs[b]))
+            s.base, s.guesses = len(inp.context), tokens[b]
+            one_hot = self.sampling == "greedy" or inp.params.greedy or not q_probs[b]
+            out[inp.seq_id] = Proposal(tokens[b]) if one_hot else Proposal(
+                tokens[b], torch.stack(q_ids[b]).to(torch.int32), torch.stack(q_probs[b]))
         return [out[i.seq_id] for i in requested]
 
-    def _sure(self, logits: torch.Tensor, probs: torch.Tensor | None,
-              picks: list[int]) -> list[bool]:
-        """Whether each row's draft is confident enough in its latest guess to go on."""
-        if self.confidence_threshold is None:
-            return [True] * len(picks)
+    def _top_m(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The distribution guesses are drawn from, as (ids, probs) [R, m]."""
+        m = self.q_top_m
+        if m is None or m >= probs.shape[-1]:
+            ids = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
+            return ids, probs
+        top, ids = probs.topk(m, dim=-1)
+        return ids, top / top.sum(-1, keepdim=True)
+
+    @staticmethod
+    def _greedy_confidence(logits: torch.Tensor, picks: list[int]) -> torch.Tensor:
         idx = torch.tensor(picks, device=logits.device).unsqueeze(1)
-        if probs is None:  # greedy: the draft's own softmax probability of its argmax
-            conf = torch.softmax(logits.float(), -1).gather(1, idx)
-        else:              # sampled: q of the sampled token, under the request's warp
-            conf = probs.gather(1, idx)
-        return (conf.squeeze(1) >= self.confidence_threshold).tolist()
+        return torch.softmax(logits.float(), -1).gather(1, idx).squeeze(1)
+
+    def _sure(self, conf: torch.Tensor | None) -> list[bool] | _Always:
+        """Whether each row's draft is confident enough in its latest guess to go on: its
+        probability (greedy: of its argmax; sampled: q of the sampled token)."""
+        if self.confidence_threshold is None or conf is None:
+            return _ALWAYS
+        return (conf >= self.confidence_threshold).tolist()
 
     def accepted(self, seq_id: str, valid_len: int) -> None:
         s = self._seqs.get(seq_id)
@@ -203,6 +250,14 @@ class DraftModelProposer:
         s = self._seqs.pop(seq_id, None)
         if s is not None:
             self._free.append(s.slot)
+
+
+class _Always:
+    def __getitem__(self, _) -> bool:
+        return True
+
+
+_ALWAYS = _Always()
 
 
 class IncompatibleDraft(ValueError):

@@ -27,7 +27,8 @@ class TargetRow:
     start: int                 # tokens of this sequence already in the target's cache
     tokens: list[int]          # new tokens: pending context, then the num_draft guesses
     num_draft: int = 0
-    draft_probs: torch.Tensor | None = None  # [num_draft, V] q, or None for one-hot q
+    # q of the guesses as (ids, probs) [num_draft, m], zero outside ids; None = one-hot q.
+    draft_q: tuple[torch.Tensor, torch.Tensor] | None = None
     sample: bool = True        # False for a prefill chunk that does not end the prompt
 
 
@@ -101,7 +102,7 @@ def _sample_rows(rows: list[TargetRow], logits: torch.Tensor,
     probs = warp_probs(logits, per_pos)
     target = probs.new_zeros(R, k + 1, V)
     drafts = torch.zeros(R, k, dtype=torch.long)
-    any_q = any(r.draft_probs is not None for r in rows)
+    any_q = any(r.draft_q is not None for r in rows)
     q = probs.new_zeros(R, k, V) if any_q else None
     off = 0
     for b, r in enumerate(rows):
@@ -112,11 +113,11 @@ def _sample_rows(rows: list[TargetRow], logits: torch.Tensor,
             guesses = torch.tensor(r.tokens[-n:], dtype=torch.long)
             drafts[b, :n] = guesses
             if q is not None:
-                if r.draft_probs is None:
+                if r.draft_q is None:
                     q[b, torch.arange(n), guesses] = 1.0  # one-hot q
                 else:
-                    dq = r.draft_probs.to(q.dtype)
-                    q[b, :n, : dq.shape[-1]] = dq  # a draft vocabulary may be padded shorter
+                    ids, qp = r.draft_q
+                    q[b, :n].scatter_(1, ids[:n].long().to(q.device), qp[:n].to(q))
     out, emitted = rejection_sample(
         drafts.to(probs.device), q, target, [generators[r.seq_id] for r in rows],
         num_draft=torch.tensor([r.num_draft for r in rows], device=probs.device),

@@ -12,6 +12,7 @@ from scipy.stats import chi2_contingency
 
 from specdec.engine import EngineConfig
 from specdec.generate import plain_generate
+from specdec.proposers import DraftModelProposer
 from specdec.request import Request
 from specdec.sampling import SamplingParams
 
@@ -124,25 +125,29 @@ def contingency_pvalue(a: collections.Counter, b: collections.Counter) -> float:
     return chi2_contingency(table).pvalue
 
 
-@pytest.mark.parametrize("draft_sampling,temperature,draft_fixture,confidence", [
+@pytest.mark.parametrize("draft_sampling,temperature,draft_fixture,confidence,q_top_m", [
     # A draft that often disagrees, so rejections (and the residual draw) are common.
-    ("probabilistic", 1.0, "tiny_llama_far_draft", None),
+    ("probabilistic", 1.0, "tiny_llama_far_draft", None, None),
+    # q = the draft's top-4 distribution, renormalized (what crosses the wire): exact too.
+    ("probabilistic", 1.0, "tiny_llama_far_draft", None, 4),
     # One-hot q from a greedy draft: the close draft keeps acceptance reasonable.
-    ("greedy", 0.8, "tiny_llama_draft", None),
+    ("greedy", 0.8, "tiny_llama_draft", None, None),
     # Proposal lengths that depend on the draft's own sampled guesses.
-    ("probabilistic", 1.0, "tiny_llama_far_draft", 0.05),
+    ("probabilistic", 1.0, "tiny_llama_far_draft", 0.05, 16),
 ])
 @pytest.mark.parametrize("vocab_limit", [None, 60])
 def test_sampled_first_three_tokens_follow_plain_distribution(tiny_llama, draft_sampling,
                                                               temperature, draft_fixture,
-                                                              confidence, vocab_limit, request):
+                                                              confidence, q_top_m, vocab_limit,
+                                                              request):
     n = 4000
     draft = request.getfixturevalue(draft_fixture)
 
     def factory():
         return make_engine(tiny_llama, draft, slots=64, max_len=16,
                            draft_sampling=draft_sampling, config=BIG_QUEUE,
-                           draft_vocab_limit=vocab_limit, draft_confidence=confidence)
+                           draft_vocab_limit=vocab_limit, draft_confidence=confidence,
+                           q_top_m=q_top_m)
 
     plain, _ = first_three_counts(factory, "none", 0, n, temperature, 0)
     spec, engine = first_three_counts(factory, "draft", 2, n, temperature, 10**6)
@@ -191,3 +196,37 @@ def test_greedy_rows_stay_exact_next_to_sampled_rows(pair):
         [Request(f"s{i}", p, sampled, "draft", 3) for i, p in enumerate(prompts[2:])]
     out = engine.run(reqs)
     assert [out["r0"].token_ids, out["r1"].token_ids] == expected
+
+
+class _UnnormalizedTopM(DraftModelProposer):
+    """A wrong shortcut: sample from the top-m distribution, but send the draft's full
+    probabilities of those ids as q (not the renormalized ones the guess was drawn from)."""
+
+    def _top_m(self, probs):
+        ids, renormalized = super()._top_m(probs)
+        self._raw = probs.gather(1, ids)
+        return ids, renormalized
+
+    def propose(self, inputs):
+        out = super().propose(inputs)
+        for p in out:
+            if p.q_probs is not None:
+                p.q_probs = p.q_probs * self._raw[0].sum()  # no longer sums to 1
+        return out
+
+
+def test_truncated_q_must_be_the_distribution_sampled_from(tiny_llama, tiny_llama_far_draft):
+    """The check that passes for top-m q catches a q that is not what the draft sampled."""
+    n = 4000
+
+    def factory(cls):
+        return lambda: make_engine(tiny_llama, tiny_llama_far_draft, slots=64, max_len=16,
+                                   config=BIG_QUEUE, q_top_m=4, proposer_cls=cls)
+
+    plain, _ = first_three_counts(factory(DraftModelProposer), "none", 0, n, 1.0, 0)
+    wrong, _ = first_three_counts(factory(_UnnormalizedTopM), "draft", 2, n, 1.0, 10**6)
+    pm, wm = collections.Counter(), collections.Counter()
+    for c, src in ((pm, plain), (wm, wrong)):
+        for toks, cnt in src.items():
+            c[toks[1]] += cnt
+    assert contingency_pvalue(pm, wm) < 1e-3

@@ -45,7 +45,7 @@ def test_good_acceptance_at_light_load_speculates_with_the_cost_model_k():
 
 
 def test_heavy_compute_bound_load_goes_plain():
-    d = decide(CFG, ["draft"], {"draft": 0.8}, 200, Load(running=16, tokens_per_step=16),
+    d = decide(CFG, ["draft"], {"draft": 0.8}, 200, Load(running=16),
                compute_bound_cost())
     assert d.mode == "plain" and d.why == "no_gain"
 
@@ -54,9 +54,9 @@ def test_load_shrinks_k_before_turning_speculation_off():
     cost = StepCostModel()
     for t in (1, 5, 9, 20, 40, 2, 6, 30):
         cost.observe(t, 0.2 + 0.01 * t)  # partly compute bound
-    light = decide(CFG, ["draft"], {"draft": 0.85}, 200, Load(1, 0, 1), cost)
-    heavy = decide(CFG, ["draft"], {"draft": 0.85}, 200, Load(12, 0, 12), cost)
-    heavier = decide(CFG, ["draft"], {"draft": 0.85}, 200, Load(32, 0, 32), cost)
+    light = decide(CFG, ["draft"], {"draft": 0.85}, 200, Load(1, 0), cost)
+    heavy = decide(CFG, ["draft"], {"draft": 0.85}, 200, Load(12, 0), cost)
+    heavier = decide(CFG, ["draft"], {"draft": 0.85}, 200, Load(32, 0), cost)
     assert light.k > heavy.k > 0
     assert heavier.mode == "plain"
 

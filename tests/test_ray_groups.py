@@ -11,9 +11,9 @@ import pytest
 import ray
 import torch
 
-from deployments.config import DraftGroupConfig, GroupRuntimeConfig, ModelGroupConfig
-from deployments.launch import RayEngineHandle, local_ray
-from specdec.build import eos_ids_of
+from deployments.launch import local_ray, ray_engine
+from specdec.assemble import eos_ids_of
+from specdec.engine_config import DraftGroupConfig, EngineSpec, ModelGroupConfig, RuntimeConfig
 from specdec.generate import load_tokenizer, plain_generate
 from specdec.model import Decoder
 from specdec.request import Request
@@ -52,10 +52,11 @@ def test_tp2_target_and_draft_actor_equal_plain_decoding(ray_cluster, qwen_targe
     eos = eos_ids_of(qwen_target_path, tok)
     prompts = [chat_ids(tok, p) for p in PROMPTS]
     expected = plain_reference(qwen_target_path, prompts, 24, eos)
-    runtime = GroupRuntimeConfig(max_slots=4, max_len=256, gloo_socket_ifname="lo")
-    with RayEngineHandle(ModelGroupConfig(model=str(qwen_target_path), tp=2, dtype="float32"),
-                         DraftGroupConfig(model=str(qwen_draft_path), dtype="float32"),
-                         runtime) as h:
+    runtime = RuntimeConfig(max_slots=4, max_len=256, gloo_socket_ifname="lo")
+    with ray_engine(EngineSpec(
+            target=ModelGroupConfig(model=str(qwen_target_path), tp=2, dtype="float32"),
+            draft=DraftGroupConfig(model=str(qwen_draft_path), dtype="float32"),
+            runtime=runtime, warmup=False)) as h:
         stats = h.target.stats
         assert [s["rank"] for s in stats] == [0, 1] and stats[0]["backend"] == "gloo"
         out = h.engine.run([Request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=24),
@@ -71,9 +72,10 @@ def test_smollm2_tp3_with_ngram_equals_plain(ray_cluster, smollm2_path):
     prompts = [tok("x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2").input_ids,
                tok("The cat sat on the mat. The cat sat on the").input_ids]
     expected = plain_reference(smollm2_path, prompts, 32, eos)
-    runtime = GroupRuntimeConfig(max_slots=2, max_len=128, gloo_socket_ifname="lo")
-    with RayEngineHandle(ModelGroupConfig(model=str(smollm2_path), tp=3, dtype="float32"),
-                         None, runtime) as h:
+    runtime = RuntimeConfig(max_slots=2, max_len=128, gloo_socket_ifname="lo")
+    with ray_engine(EngineSpec(
+            target=ModelGroupConfig(model=str(smollm2_path), tp=3, dtype="float32"),
+            runtime=runtime, warmup=False)) as h:
         out = h.engine.run([Request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=32),
                                     "ngram", 3) for i, p in enumerate(prompts)])
         for i, e in enumerate(expected):
@@ -102,10 +104,11 @@ def wait_for_tokens(engine, n, timeout=60):
 
 
 def test_killed_shard_fails_inflight_then_group_is_rebuilt(ray_cluster, smollm2_path):
-    runtime = GroupRuntimeConfig(max_slots=2, max_len=512, collective_timeout_s=10,
-                                 step_timeout_s=20, gloo_socket_ifname="lo")
-    with RayEngineHandle(ModelGroupConfig(model=str(smollm2_path), tp=3, dtype="bfloat16"),
-                         None, runtime) as h:
+    runtime = RuntimeConfig(max_slots=2, max_len=512, collective_timeout_s=10,
+                            step_timeout_s=20, gloo_socket_ifname="lo")
+    with ray_engine(EngineSpec(
+            target=ModelGroupConfig(model=str(smollm2_path), tp=3, dtype="bfloat16"),
+            runtime=runtime, warmup=False)) as h:
         ids = h.tokenizer("Once upon a time").input_ids
         long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
         thread, box = run_in_thread(h.engine, [Request("doomed", ids, long)])

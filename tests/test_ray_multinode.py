@@ -13,13 +13,14 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from deployments.config import (
+from deployments.launch import ray_engine
+from specdec.engine_config import (
     ActorResources,
     DraftGroupConfig,
-    GroupRuntimeConfig,
+    EngineSpec,
     ModelGroupConfig,
+    RuntimeConfig,
 )
-from deployments.launch import RayEngineHandle
 from specdec.request import Request
 from specdec.sampling import SamplingParams
 
@@ -56,16 +57,17 @@ def node_of(actor) -> str:
 
 def test_shards_on_two_nodes_draft_on_a_third_and_draft_node_loss(cluster, smollm2_path):
     c, nodes = cluster
-    runtime = GroupRuntimeConfig(max_slots=2, max_len=512, collective_timeout_s=10,
-                                 step_timeout_s=20, draft_retry_s=1.0, placement_strategy="PACK",
-                                 gloo_socket_ifname="lo")
+    runtime = RuntimeConfig(max_slots=2, max_len=512, collective_timeout_s=10,
+                            step_timeout_s=20, draft_retry_s=1.0, placement_strategy="PACK",
+                            gloo_socket_ifname="lo")
     target = ModelGroupConfig(model=str(smollm2_path), tp=3, dtype="bfloat16",
                               resources=ActorResources(num_cpus=0.5,
                                                        resources={"target_slot": 1}))
     draft = DraftGroupConfig(model=str(smollm2_path), dtype="bfloat16",
                              resources=ActorResources(num_cpus=0.5,
                                                       resources={"draft_slot": 1}))
-    with RayEngineHandle(target, draft, runtime) as h:
+    with ray_engine(EngineSpec(target=target, draft=draft, runtime=runtime,
+                               warmup=False)) as h:
         shard_nodes = [node_of(a) for a in h.target.group.actors]
         draft_node = node_of(h.draft.group.leader)
         assert set(shard_nodes) == {nodes["target_a"].node_id, nodes["target_b"].node_id}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.build import eos_ids_of
+from specdec.assemble import eos_ids_of
 from specdec.engine import Engine
 from specdec.generate import load_tokenizer, plain_generate
 from specdec.model import Decoder

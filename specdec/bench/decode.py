@@ -16,9 +16,10 @@ import time
 import torch
 
 from specdec import hub
+from specdec.assemble import LocalBackend, assemble
 from specdec.bench.prompts import PROMPT_SETS
 from specdec.bench.table import median, print_table, write_json
-from specdec.build import LocalEngineSpec, build_local_engine
+from specdec.engine_config import DraftGroupConfig, EngineSpec, ModelGroupConfig, RuntimeConfig
 from specdec.generate import dtype_from_name
 from specdec.progress import Progress
 from specdec.request import Request
@@ -61,10 +62,12 @@ def _hf_rows(args, sets, progress) -> list[dict]:
 
 
 def _our_rows(args, sets, progress) -> list[dict]:
-    engine, _ = build_local_engine(LocalEngineSpec(
-        target=args.target, draft=args.draft, dtype=args.dtype, device=args.device,
-        max_slots=max(args.batch, 1),
-        max_len=2048, draft_sampling="greedy", draft_vocab_limit=args.draft_vocab_limit))
+    spec = EngineSpec(
+        target=ModelGroupConfig(model=args.target, dtype=args.dtype),
+        draft=DraftGroupConfig(model=args.draft, dtype=args.dtype, sampling="greedy",
+                               vocab_limit=args.draft_vocab_limit, resources={"num_cpus": 0}),
+        runtime=RuntimeConfig(max_slots=max(args.batch, 1), max_len=2048), warmup=False)
+    engine = assemble(spec, LocalBackend(args.device)).engine
     configs = [("plain", "none", 0, None)] + [("draft", "draft", k, None) for k in args.k] + \
         [("draft_conf", "draft", args.confidence_k, t) for t in args.draft_confidence] + \
         [("ngram", "ngram", args.ngram_k, None)]
@@ -80,7 +83,7 @@ def _our_rows(args, sets, progress) -> list[dict]:
                 draft.confidence_threshold = threshold
             rates, mal = [], []
             for i, ids in enumerate(prompts):
-                reqs = [Request(f"{name}-{i}-{b}", ids, params, method, k)
+                reqs = [Request(f"{name}-{i}-{b}", ids, params, method, k, fixed_k=True)
                         for b in range(args.batch)]
                 before = engine.totals[method].rounds, engine.totals[method].accepted
                 t = time.perf_counter()

@@ -1,0 +1,205 @@
+"""One way to assemble an engine from an EngineSpec, whatever runs the models.
+
+A backend makes the target runner and the draft proposer: `LocalBackend` (this file) puts
+them in this process; the Ray backend (deployments/ray_backend.py) puts them in actor groups,
+under `specdec generate --tp` or inside a Serve replica. Everything else is the same code:
+checks that name the config field at fault, the tokenizer, end-of-sequence ids, the n-gram
+proposer, the engine's limits, the policy, and the warm-up. So the engine that `bench`
+measures in one process is the one the service runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from specdec import hub
+from specdec.config import DecoderConfig
+from specdec.engine import Engine, EngineConfig
+from specdec.engine_config import EngineSpec, ModelGroupConfig
+from specdec.engine_policy import EnginePolicy
+from specdec.generate import load_tokenizer
+from specdec.model import Decoder
+from specdec.proposers import (
+    DraftModelProposer,
+    IncompatibleDraft,
+    NgramProposer,
+    Proposer,
+    check_same_tokenizer,
+)
+from specdec.request import Request
+from specdec.sampling import SamplingParams
+from specdec.sharding import ShardSpec
+from specdec.target_runner import LocalTargetRunner, TargetRunner
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message starts with the field at fault."""
+
+
+class Backend(Protocol):
+    def target(self, spec: EngineSpec, path: Path) -> TargetRunner: ...
+
+    def draft(self, spec: EngineSpec, path: Path) -> Proposer: ...
+
+    def close(self) -> None: ...
+
+
+def eos_ids_of(path: str | Path, tokenizer) -> set[int]:
+    """Every token that ends generation: config, generation config and tokenizer agree
+    rarely (Qwen instruct models end turns with <|im_end|>, not the config's eos)."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        f = Path(path) / name
+        if f.exists():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def check_threads(field: str, group: ModelGroupConfig, cores: int | None = None) -> int:
+    """Threads per rank, refused when they exceed the cores of the machine they run on."""
+    cores = cores or os.cpu_count() or 1
+    threads = group.threads or min(cores, max(1, int(group.resources.num_cpus)))
+    if threads > cores:
+        raise ConfigError(f"{field}.threads: {threads} threads per rank, but this machine "
+                          f"has {cores} cores: more threads than cores only slows each one")
+    return threads
+
+
+def check_spec(spec: EngineSpec, target_path: Path, draft_path: Path | None) -> None:
+    """What only the checkpoints can tell: shapes against TP sizes, limits, tokenizers."""
+    t_cfg = DecoderConfig.from_checkpoint(target_path)
+    groups = [("target", spec.target, t_cfg)]
+    if draft_path is not None:
+        groups.append(("draft", spec.draft, DecoderConfig.from_checkpoint(draft_path)))
+    for field, group, cfg in groups:
+        try:
+            ShardSpec(0, group.tp).check(cfg)
+        except ValueError as exc:
+            raise ConfigError(f"{field}.tp: {exc}") from None
+        limit = cfg.sliding_window or cfg.max_position_embeddings
+        if spec.runtime.max_len > limit:
+            raise ConfigError(f"runtime.max_len: {spec.runtime.max_len} exceeds what the "
+                              f"{field} model supports ({limit} tokens)")
+    if draft_path is not None:
+        vl = spec.draft.vocab_limit
+        if vl is not None and vl > groups[1][2].vocab_size:
+            raise ConfigError(f"draft.vocab_limit: {vl} exceeds the draft's vocabulary "
+                              f"({groups[1][2].vocab_size})")
+        try:
+            check_same_tokenizer(target_path, draft_path)
+        except IncompatibleDraft as exc:
+            raise ConfigError(f"draft.model: {exc}") from None
+
+
+class LocalBackend:
+    """Target and draft in this process (one torch thread pool for both: they take turns)."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+
+    def _threads(self, spec: EngineSpec) -> None:
+        if self.device != "cpu":
+            return
+        wanted = [check_threads("target", spec.target)]
+        if spec.draft is not None:
+            wanted.append(check_threads("draft", spec.draft))
+        torch.set_num_threads(max(wanted))
+
+    def target(self, spec: EngineSpec, path: Path) -> TargetRunner:
+        if spec.target.tp != 1:
+            raise ConfigError("target.tp: tensor parallelism needs the Ray backend "
+                              "(`specdec generate --tp N`, or the Serve app)")
+        self._threads(spec)
+        model = Decoder.from_checkpoint(path, spec.target.dtype, self.device)
+        return LocalTargetRunner(model, spec.runtime.max_slots, spec.runtime.max_len)
+
+    def draft(self, spec: EngineSpec, path: Path) -> Proposer:
+        d = spec.draft
+        model = Decoder.from_checkpoint(path, d.dtype, self.device)
+        return DraftModelProposer(model, spec.runtime.max_slots, spec.runtime.max_len,
+                                  d.sampling, d.vocab_limit, d.confidence_threshold,
+                                  d.q_top_m)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class AssembledEngine:
+    engine: Engine
+    tokenizer: object
+    spec: EngineSpec
+    policy: EnginePolicy
+    backend: Backend
+    target_path: Path
+
+    @property
+    def target(self) -> TargetRunner:
+        return self.engine.target
+
+    @property
+    def draft(self) -> Proposer | None:
+        return self.engine.proposers.get("draft")
+
+    def methods(self) -> list[str]:
+        """Proposers that can propose right now (a lost draft is rebuilt in the background)."""
+        return sorted(m for m, p in self.engine.proposers.items()
+                      if getattr(p, "available", True))
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def __enter__(self) -> AssembledEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def assemble(spec: EngineSpec, backend: Backend) -> AssembledEngine:
+    target_path = hub.resolve(spec.target.model)
+    draft_path = hub.resolve(spec.draft.model) if spec.draft is not None else None
+    check_spec(spec, target_path, draft_path)
+    tok = load_tokenizer(target_path)
+    target = backend.target(spec, target_path)
+    try:
+        proposers: dict[str, Proposer] = {"ngram": NgramProposer(spec.ngram_min, spec.ngram_max)}
+        if draft_path is not None:
+            proposers["draft"] = backend.draft(spec, draft_path)
+        policy = EnginePolicy(spec.policy)
+        engine = Engine(target, proposers, tok, eos_ids_of(target_path, tok),
+                        EngineConfig(max_tokens_per_step=spec.max_tokens_per_step,
+                                     max_waiting=spec.max_waiting),
+                        choose_k=policy.choose_k)
+        built = AssembledEngine(engine, tok, spec, policy, backend, target_path)
+        if spec.warmup:
+            warm_up(engine)
+    except BaseException:
+        backend.close()
+        raise
+    return built
+
+
+def warm_up(engine: Engine) -> None:
+    """One short request per path (prefill, plain step, each proposer's round), then forget
+    it: first calls pay for allocations, kernel choice and lazy imports, and the policy's
+    fits must not learn from them."""
+    prompt = list(range(10, 42))
+    reqs = [Request("warmup-plain", prompt, SamplingParams(temperature=0.0, max_tokens=3,
+                                                            ignore_eos=True))]
+    for method in engine.proposers:
+        reqs.append(Request(f"warmup-{method}", prompt, SamplingParams(
+            temperature=0.7, max_tokens=6, ignore_eos=True, seed=0), method, 2, fixed_k=True))
+    engine.run(reqs)
+    engine.totals.clear()
+    engine.history.clear()
+    engine.steps = 0

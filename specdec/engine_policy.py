@@ -1,0 +1,150 @@
+"""The policy as one engine runs it: decisions at admission from this engine's own live
+load, k revisited once per step, and every input measured on this engine.
+
+Why here and not in the HTTP router: with several engine replicas the router cannot know
+which replica a request lands on, so a decision from the router's view of "the" load is a
+decision on some other replica's load. The router passes what only it knows (the request's
+overrides, max_tokens, stop strings); the replica that will run the request decides.
+
+Measured inputs: the step cost (whole step minus drafting, as a + b * tokens), the draft's
+round cost (d0 + k * (e0 + e1 * rows)), acceptance per method (with its per-position curve),
+completion lengths per prompt-length bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from specdec.engine_config import PolicySettings
+from specdec.policy import (
+    AcceptanceTracker,
+    Decision,
+    DraftCostModel,
+    LengthEstimator,
+    Load,
+    PolicyConfig,
+    StepCostModel,
+    decide,
+    revisit,
+)
+from specdec.request import EngineError
+
+
+@dataclasses.dataclass
+class Overrides:
+    """What a request says about speculation (the API's `speculative` field)."""
+
+    mode: str = "auto"            # auto | on | off
+    method: str | None = None     # draft | ngram
+    k: int | None = None
+
+
+class EnginePolicy:
+    def __init__(self, settings: PolicySettings | None = None) -> None:
+        self.config = PolicyConfig(**(settings or PolicySettings()).model_dump())
+        self.acceptance = AcceptanceTracker(self.config)
+        self.lengths = LengthEstimator(self.config)
+        self.step_cost = StepCostModel()
+        self.draft_round_cost = DraftCostModel()
+        self.draft_cost: float | None = None  # c as a moving average, for display/fallback
+        self._step_seen = -1
+        self._k_cache: dict[tuple, int] = {}
+
+    # ---- admission -------------------------------------------------------------------
+
+    def admit(self, load: dict, methods: list[str], prompt_tokens: int, max_tokens: int,
+              has_stop: bool, wanted: Overrides) -> Decision:
+        """Plain or speculative, method and k for a request about to join this engine.
+        load: Engine.load(); methods: the proposers available right now."""
+        if wanted.method and wanted.method not in methods:
+            raise EngineError(f"speculative.method {wanted.method!r} is not available "
+                              f"(available: {methods})")
+        if wanted.mode == "off":
+            return Decision("plain", "none", 0, "request asked for plain decoding", 1.0, {},
+                            "request")
+        lw = self._load(load, joining=1)
+        alpha = {m: self.acceptance.alpha(m) for m in methods}
+        curves = {m: self.acceptance.curve(m, self.config.k_max) for m in methods}
+        if wanted.mode == "on":
+            method = wanted.method or ("draft" if "draft" in methods else "ngram")
+            if method not in methods:
+                raise EngineError(f"speculative.mode 'on' but no proposer is available "
+                                  f"(available: {methods})")
+            d = self._decide([method], alpha, math.inf, lw, curves, method, wanted.k)
+            if d.k == 0:  # "on" means speculate: take a k even below break-even
+                d = self._decide([method], alpha, math.inf, lw, curves, method,
+                                 min(4, self.config.k_max))
+            d.reason, d.why = "request asked for speculation; " + d.reason, "request"
+            return d
+        expected = self.lengths.expected(prompt_tokens, max_tokens, has_stop)
+        return self._decide(methods, alpha, expected, lw, curves, wanted.method, wanted.k)
+
+    def _decide(self, methods, alpha, expected, load, curves, method=None, k=None) -> Decision:
+        config = self.config
+        if self.draft_cost is not None:
+            config = dataclasses.replace(config, draft_cost_ratio=self.draft_cost)
+        return decide(config, methods, alpha, expected, load, self.step_cost,
+                      forced_method=method, forced_k=k, draft_cost=self.draft_round_cost,
+                      curves=curves)
+
+    @staticmethod
+    def _load(load: dict, joining: int = 0) -> Load:
+        return Load(load.get("running", 0) + joining, load.get("waiting", 0),
+                    load.get("prefill_tokens_per_step", 0.0))
+
+    # ---- between rounds (Engine's choose_k hook) ---------------------------------------
+
+    def choose_k(self, engine, req, spec, running: int) -> int:
+        """k for a running request's next round. The method-level answer depends only on
+        the step's load, so it is computed once per step; a request's own acceptance moves
+        it only through a coarse bucket (and drops it to plain when it collapsed)."""
+        if engine.steps != self._step_seen:
+            self._step_seen, self._k_cache = engine.steps, {}
+        own = spec.policy_trials
+        bucket = None
+        if spec.rounds >= self.config.collapse_rounds and own:
+            bucket = round(10 * spec.accepted / own)
+        key = (req.method, req.k, bucket, spec.rounds >= self.config.collapse_rounds)
+        if key not in self._k_cache:
+            config = self.config if self.draft_cost is None else dataclasses.replace(
+                self.config, draft_cost_ratio=self.draft_cost)
+            load = self._load(engine.load())
+            # The request's own acceptance, as its bucket (trials 10, kept = bucket).
+            trials, kept = (0, 0) if bucket is None else (10, bucket)
+            self._k_cache[key] = revisit(
+                config, req.method, req.k, trials, kept, spec.rounds,
+                self.acceptance.alpha(req.method), load, self.step_cost,
+                self.draft_round_cost, self.acceptance.curve(req.method, self.config.k_max))
+        return self._k_cache[key]
+
+    # ---- observations ----------------------------------------------------------------
+
+    def observe_step(self, rec) -> None:
+        self.step_cost.observe(rec.tokens, rec.step_s - rec.draft_s)
+        self.draft_round_cost.observe(rec.draft_k, rec.draft_rows, rec.draft_model_s)
+        if rec.draft_model_s and rec.draft_k:
+            # c = the draft's time per guess / one plain target step (rows are batched).
+            fit = self.step_cost.fit()
+            plain = (fit[0] + fit[1] * max(rec.rows, 1)) if fit else rec.verify_s
+            c = rec.draft_model_s / rec.draft_k / max(plain, 1e-6)
+            self.draft_cost = c if self.draft_cost is None else 0.9 * self.draft_cost + 0.1 * c
+
+    def observe_finished(self, out) -> None:
+        self.lengths.observe(out.prompt_tokens, len(out.token_ids))
+        if out.method != "none":
+            s = out.spec
+            # An empty proposal was a chance at position 1 that failed, like a rejection.
+            drafted = list(s.drafted_per_position) or [0]
+            drafted[0] += s.empty_proposals
+            self.acceptance.observe(out.method, s.accepted, s.rejections + s.empty_proposals,
+                                    s.accepted_per_position, drafted)
+
+    def report(self, methods: list[str]) -> dict:
+        return {
+            "alpha": {m: self.acceptance.alpha(m) for m in methods},
+            "acceptance_curve": {m: self.acceptance.curve(m, self.config.k_max)
+                                 for m in methods},
+            "step_cost_fit": self.step_cost.fit(), "draft_cost_ratio": self.draft_cost,
+            "draft_round_fit": self.draft_round_cost.fit(),
+        }

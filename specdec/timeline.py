@@ -1,0 +1,32 @@
+"""Where a step's time goes, from the engine's step records (see engine.StepRecord)."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def timeline_summary(records) -> dict:
+    """Median milliseconds per part of a step over recent steps, and bytes per step: where
+    a step's time goes (engine bookkeeping, the draft call, the target call) and how much
+    of each call is the call itself rather than compute in the actor."""
+    if not records:
+        return {}
+
+    def med(f) -> float:
+        return round(1000 * statistics.median(f(r) for r in records), 2)
+
+    return {
+        "steps": len(records),
+        "step_ms": med(lambda r: r.step_s),
+        "plan_ms": med(lambda r: r.plan_s),
+        "draft_call_ms": med(lambda r: r.draft_s),
+        "draft_compute_ms": med(lambda r: r.draft_compute_s),
+        "target_call_ms": med(lambda r: r.verify_s),
+        "target_compute_ms": med(lambda r: r.target_compute_s),
+        "post_ms": med(lambda r: r.post_s),
+        "gap_ms": round(1000 * statistics.median(
+            [b.end - b.step_s - a.end for a, b in zip(records, records[1:], strict=False)]
+            or [0.0]), 2),
+        "draft_bytes": statistics.median(r.draft_bytes for r in records),
+        "target_bytes": statistics.median(r.target_bytes for r in records),
+    }
