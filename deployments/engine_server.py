@@ -19,7 +19,7 @@ from deployments.ray_backend import RayBackend
 from specdec.assemble import assemble
 from specdec.engine_config import EngineSpec
 from specdec.engine_policy import Overrides
-from specdec.request import CapacityError, EngineError, Request
+from specdec.request import CapacityError, EngineError
 from specdec.sampling import SamplingParams
 from specdec.timeline import timeline_summary
 
@@ -34,7 +34,7 @@ class EngineServer:
         self.built = assemble(spec, RayBackend(pg, replica_cpus if pg is not None else None))
         self.engine, self.policy = self.built.engine, self.built.policy
         self.metrics = EngineMetrics()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = {}
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, daemon=True, name="engine-loop")
@@ -67,8 +67,14 @@ class EngineServer:
         entry = self._queues.get(out.request_id)
         if entry is None:
             return
-        loop, queue = entry
-        chunk = {"text": out.new_text, "token_ids": out.new_token_ids, "finished": out.finished,
+        loop, queue, stream = entry
+        if not stream and not out.finished:
+            # A whole response is sent once: every chunk crossing to the router and on is
+            # CPU taken from the next step's forward on a small machine.
+            return
+        chunk = {"text": out.new_text if stream else out.text,
+                 "token_ids": out.new_token_ids if stream else out.token_ids,
+                 "finished": out.finished,
                  "finish_reason": out.finish_reason, "error": out.error,
                  "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.token_ids),
                  "k": out.k, "spec": out.spec.as_dict() if out.finished else None}
@@ -78,33 +84,25 @@ class EngineServer:
 
     async def generate(self, payload: dict):
         """payload: prompt_ids, params (SamplingParams fields), speculative (mode, method,
-        k). Yields a decision chunk, then chunks as tokens are accepted; the last one has
-        finished=True."""
+        k), stream. Yields a decision chunk, then chunks as tokens are accepted (stream) or
+        one chunk with the whole output; the last one has finished=True."""
         rid = payload.get("request_id") or uuid.uuid4().hex
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         params = SamplingParams(**payload["params"])
         wanted = Overrides(**(payload.get("speculative") or {}))
-        try:
-            decision = self.policy.admit(self.engine.load(), self.built.methods(),
-                                         len(payload["prompt_ids"]), params.max_tokens,
-                                         bool(params.stop), wanted)
-        except EngineError as exc:
-            yield {"error": str(exc), "error_kind": "invalid", "param": "speculative",
-                   "finished": True}
-            return
-        req = Request(rid, payload["prompt_ids"], params, decision.method, decision.k,
-                      self._deliver, fixed_k=wanted.k is not None or wanted.mode == "off")
-        self._queues[rid] = (loop, queue)
+        self._queues[rid] = (loop, queue, bool(payload.get("stream", True)))
         try:
             try:
-                self.engine.add_request(req)
+                req, decision = self.built.submit(rid, payload["prompt_ids"], params, wanted,
+                                                  self._deliver)
             except CapacityError as exc:
                 yield {"error": str(exc), "error_kind": "capacity", "finished": True}
                 return
             except EngineError as exc:
-                yield {"error": str(exc), "error_kind": "invalid", "finished": True}
+                yield {"error": str(exc), "error_kind": "invalid", "finished": True,
+                       "param": exc.param}
                 return
             yield {"decision": decision.as_dict(), "finished": False}
             self.metrics.admitted(req.method)

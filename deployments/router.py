@@ -93,6 +93,7 @@ class RouterServer:
                        "seed": req.seed, "max_tokens": max_tokens, "stop": tuple(req.stop or ()),
                        "ignore_eos": req.ignore_eos},
             "speculative": {"mode": spec.mode, "method": spec.method, "k": spec.k},
+            "stream": bool(req.stream),
         }
 
     @staticmethod

@@ -22,9 +22,10 @@ from specdec import hub
 from specdec.config import DecoderConfig
 from specdec.engine import Engine, EngineConfig
 from specdec.engine_config import EngineSpec, ModelGroupConfig
-from specdec.engine_policy import EnginePolicy
+from specdec.engine_policy import EnginePolicy, Overrides
 from specdec.generate import load_tokenizer
 from specdec.model import Decoder
+from specdec.policy import Decision
 from specdec.proposers import (
     DraftModelProposer,
     IncompatibleDraft,
@@ -32,7 +33,7 @@ from specdec.proposers import (
     Proposer,
     check_same_tokenizer,
 )
-from specdec.request import Request
+from specdec.request import CapacityError, Request
 from specdec.sampling import SamplingParams
 from specdec.sharding import ShardSpec
 from specdec.target_runner import LocalTargetRunner, TargetRunner
@@ -149,6 +150,23 @@ class AssembledEngine:
     @property
     def draft(self) -> Proposer | None:
         return self.engine.proposers.get("draft")
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               wanted: Overrides | None = None, on_output=None) -> tuple[Request, Decision]:
+        """Decide this request's speculation from the engine's own load (the policy), then
+        queue it: the path every served request takes. Raises EngineError (a bad override)
+        or CapacityError (queue full)."""
+        wanted = wanted or Overrides()
+        methods = self.methods()
+        if wanted.method in self.engine.proposers and wanted.method not in methods:
+            raise CapacityError(f"speculative.method {wanted.method!r} is unavailable for now "
+                                "(its proposer is being rebuilt); retry, or leave method unset")
+        decision = self.policy.admit(self.engine.load(), methods, len(prompt_ids),
+                                     params.max_tokens, bool(params.stop), wanted)
+        req = Request(request_id, prompt_ids, params, decision.method, decision.k, on_output,
+                      fixed_k=wanted.k is not None or wanted.mode == "off")
+        self.engine.add_request(req)
+        return req, decision
 
     def methods(self) -> list[str]:
         """Proposers that can propose right now (a lost draft is rebuilt in the background)."""

@@ -54,6 +54,12 @@ def _bench_tp(args) -> int:
     return bench_tp(args)
 
 
+def _bench_served(args) -> int:
+    from deployments.bench_served import main as bench_served  # needs Ray
+
+    return bench_served(args)
+
+
 def _bench_serve(args) -> int:
     from specdec.bench.serve import main as bench_serve
 
@@ -144,11 +150,28 @@ def build_parser() -> argparse.ArgumentParser:
     b_srv.add_argument("--policies", nargs="+", default=["plain", "speculative", "router"],
                        choices=["plain", "speculative", "router"])
     b_srv.add_argument("--k", type=int, default=4, help="k of the static speculative policy")
-    b_srv.add_argument("--requests-per-client", type=int, default=2)
+    b_srv.add_argument("--requests-per-client", type=int, default=4)
+    b_srv.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7],
+                       help="sweeps to run: greedy (0) and sampled")
     b_srv.add_argument("--max-tokens", type=int, nargs="+", default=[16, 64, 128])
     b_srv.add_argument("--json", metavar="PATH", default=None)
     b_srv.add_argument("--plot", metavar="PNG", default=None)
     b_srv.set_defaults(func=_bench_serve)
+    b_sd = bench.add_parser(
+        "served", help="one client: transformers, our engine in process, the served app")
+    b_sd.add_argument("--config", default="serve_config.yaml",
+                      help="the application config to assemble and to serve")
+    b_sd.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5],
+                      help="static k rows (in process and served)")
+    b_sd.add_argument("--max-tokens", type=int, default=96)
+    b_sd.add_argument("--sets", nargs="+", default=["code", "chat_code"])
+    b_sd.add_argument("--prompts-per-set", type=int, default=3)
+    b_sd.add_argument("--repeats", type=int, default=2)
+    b_sd.add_argument("--hf-dtypes", nargs="+", default=["bfloat16", "float32"],
+                      help="dtypes to run transformers in (its defaults and its best)")
+    b_sd.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    b_sd.add_argument("--json", metavar="PATH", default=None)
+    b_sd.set_defaults(func=_bench_served)
     b_tp = bench.add_parser("tp", help="tensor-parallel group overhead and memory per shard")
     b_tp.add_argument("--model", default="qwen2.5-coder-1.5b")
     b_tp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])

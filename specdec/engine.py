@@ -105,10 +105,10 @@ class Engine:
         n, m, limit = len(req.prompt_ids), req.params.max_tokens, self.target.max_len
         if n == 0:
             raise EngineError("prompt is empty")
-        if n + m > limit:
-            raise CapacityError(
+        if n + m > limit:  # the request's own fault: 400, not a capacity problem
+            raise EngineError(
                 f"prompt ({n} tokens) + max_tokens ({m}) exceeds the context limit of {limit} "
-                "tokens")
+                "tokens", param="max_tokens")
         if req.method != "none" and req.k > 0 and req.method not in self.proposers:
             raise EngineError(f"speculation method {req.method!r} is not available; "
                               f"available: {sorted(self.proposers) or 'none'}")

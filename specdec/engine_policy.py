@@ -59,7 +59,7 @@ class EnginePolicy:
         load: Engine.load(); methods: the proposers available right now."""
         if wanted.method and wanted.method not in methods:
             raise EngineError(f"speculative.method {wanted.method!r} is not available "
-                              f"(available: {methods})")
+                              f"(available: {methods})", param="speculative.method")
         if wanted.mode == "off":
             return Decision("plain", "none", 0, "request asked for plain decoding", 1.0, {},
                             "request")
@@ -70,7 +70,7 @@ class EnginePolicy:
             method = wanted.method or ("draft" if "draft" in methods else "ngram")
             if method not in methods:
                 raise EngineError(f"speculative.mode 'on' but no proposer is available "
-                                  f"(available: {methods})")
+                                  f"(available: {methods})", param="speculative.mode")
             d = self._decide([method], alpha, math.inf, lw, curves, method, wanted.k)
             if d.k == 0:  # "on" means speculate: take a k even below break-even
                 d = self._decide([method], alpha, math.inf, lw, curves, method,

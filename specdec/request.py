@@ -41,7 +41,12 @@ class RequestOutput:
 
 
 class EngineError(RuntimeError):
-    """A request the engine cannot take (the message names the limit)."""
+    """A request the engine cannot take (the message names the limit; param, when set, is
+    the request field at fault)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class CapacityError(EngineError):

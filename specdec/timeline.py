@@ -11,22 +11,24 @@ def timeline_summary(records) -> dict:
     of each call is the call itself rather than compute in the actor."""
     if not records:
         return {}
+    drafting = [r for r in records if r.max_k] or records
 
-    def med(f) -> float:
-        return round(1000 * statistics.median(f(r) for r in records), 2)
+    def med(f, among=records) -> float:
+        return round(1000 * statistics.median(f(r) for r in among), 2)
 
     return {
         "steps": len(records),
         "step_ms": med(lambda r: r.step_s),
         "plan_ms": med(lambda r: r.plan_s),
-        "draft_call_ms": med(lambda r: r.draft_s),
-        "draft_compute_ms": med(lambda r: r.draft_compute_s),
+        # Over the steps that drafted (others have none to show).
+        "draft_call_ms": med(lambda r: r.draft_s, drafting),
+        "draft_compute_ms": med(lambda r: r.draft_compute_s, drafting),
         "target_call_ms": med(lambda r: r.verify_s),
         "target_compute_ms": med(lambda r: r.target_compute_s),
         "post_ms": med(lambda r: r.post_s),
         "gap_ms": round(1000 * statistics.median(
             [b.end - b.step_s - a.end for a, b in zip(records, records[1:], strict=False)]
             or [0.0]), 2),
-        "draft_bytes": statistics.median(r.draft_bytes for r in records),
+        "draft_bytes": statistics.median(r.draft_bytes for r in drafting),
         "target_bytes": statistics.median(r.target_bytes for r in records),
     }

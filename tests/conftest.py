@@ -19,6 +19,20 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
 
+def save_tiny_tokenizer(path: Path) -> None:
+    """A word-level tokenizer for the tiny vocabulary ("w3" .. "w95", eos "</s>" = 2), so the
+    fixtures can be served over HTTP like real checkpoints."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 96)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>").save_pretrained(path)
+
+
 def make_tiny_checkpoint(path: Path, arch: str, **overrides) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -38,6 +52,8 @@ def make_tiny_checkpoint(path: Path, arch: str, **overrides) -> Path:
             if name.endswith("bias"):
                 p.normal_(0, 0.1)
     model.save_pretrained(path)
+    if common["vocab_size"] == 96:
+        save_tiny_tokenizer(path)
     return path
 
 
@@ -63,6 +79,8 @@ def make_perturbed_copy(src: Path, dst: Path, noise: float, seed: int) -> Path:
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * noise * p.std().clamp(min=1e-3))
     model.save_pretrained(dst)
+    if (Path(src) / "tokenizer.json").exists():
+        save_tiny_tokenizer(dst)
     return dst
 
 

@@ -54,8 +54,10 @@ def test_seeded_sampling_is_reproducible(tiny_llama, tiny_llama_draft):
 
 def test_capacity_refusals_name_the_limit(tiny_llama):
     engine = make_engine(tiny_llama, max_len=32, config=EngineConfig(max_waiting=1))
-    with pytest.raises(CapacityError, match=r"prompt \(30 tokens\) \+ max_tokens \(8\) exceeds"):
+    # Too long for the context is the request's fault (400), not a lack of capacity (503).
+    with pytest.raises(EngineError, match=r"prompt \(30 tokens\) \+ max_tokens \(8\) exceeds") as e:
         engine.add_request(Request("x", list(range(3, 33)), greedy(8)))
+    assert not isinstance(e.value, CapacityError) and e.value.param == "max_tokens"
     with pytest.raises(EngineError, match="prompt is empty"):
         engine.add_request(Request("y", [], greedy(8)))
     with pytest.raises(EngineError, match="'draft' is not available"):

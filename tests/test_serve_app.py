@@ -315,11 +315,17 @@ def test_bench_serve_sweeps_the_three_policies(server, tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "specdec.cli", "bench", "serve", "--url", base, "--model", MODEL,
          "--clients", "1", "2", "--requests-per-client", "1", "--max-tokens", "12", "--k", "3",
-         "--json", str(out)], capture_output=True, text=True, timeout=600)
+         "--temperatures", "0", "0.7", "--json", str(out)],
+        capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())
-    levels = {(r["policy"], r["clients"]): r for r in rows if "policy" in r}
+    levels = {(r["policy"], r["clients"]): r for r in rows
+              if "policy" in r and r["temperature"] == 0}
     assert set(levels) == {(p, c) for p in ("plain", "speculative", "router") for c in (1, 2)}
+    sampled = [r for r in rows if r.get("temperature") == 0.7]
+    assert len(sampled) == 6 and all(r["errors"] == 0 for r in sampled)
+    assert levels[("speculative", 1)]["predicted_speedup"] > 0
+    assert levels[("speculative", 1)]["measured_speedup"] > 0
     for (_, clients), r in levels.items():
         assert r["errors"] == 0 and r["requests"] == clients and r["output_tokens_per_s"] > 0
         assert r["ttft_p50_s"] > 0 and r["itl_p50_ms"] > 0

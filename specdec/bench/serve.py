@@ -1,10 +1,13 @@
 """`specdec bench serve`: a concurrency sweep against the running service, over HTTP.
 
-For each policy (always plain, always speculative at a static k, the router's auto) and
-each concurrency level, N clients send streamed chat requests from mixed prompt sets and
-output lengths. Reported per level: output tokens/s, TTFT and inter-token latency
-p50/p90; as a table, JSON and a PNG plot. Also the HTTP + Serve overhead per request,
-measured as the latency of a 1-token request against the engine's own step time.
+For each sampling temperature (greedy and sampled), each concurrency level and each policy
+(always plain, always speculative at a static k, the router's auto; back to back at each
+level, so they see the same machine), N clients send streamed chat requests from mixed
+prompt sets and output lengths. Reported per level: output tokens/s, TTFT and inter-token
+latency p50/p90, what the policy chose, and the speedup over plain the cost model
+predicted (median of the requests' expected_speedup) next to the one measured; as a table,
+JSON and a PNG plot. Also the HTTP + Serve overhead per request, measured as the latency
+of a 1-token request against the engine's own time.
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ def _workload(n: int, lengths: list[int]) -> list[tuple[str, int]]:
 
 
 async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
-               spec: dict) -> dict:
+               spec: dict, temperature: float, seed: int) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "max_tokens": max_tokens, "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}, "speculative": spec}
+    if temperature:
+        body["seed"] = seed
     t0 = time.perf_counter()
     first = last = None
     tokens = 0
@@ -61,11 +66,13 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: i
     itl = ((last - first) / (tokens - 1)) if first and last and tokens > 1 else None
     return {"tokens": tokens, "ttft": ttft, "itl": itl, "latency": total,
             "mode": decision.get("mode"), "method": decision.get("method"),
-            "k": decision.get("k"), "k_last": decision.get("k_last_round")}
+            "k": decision.get("k"), "k_last": decision.get("k_last_round"),
+            "expected_speedup": decision.get("expected_speedup")}
 
 
 async def _level(base: str, model: str, policy: str, k: int, clients: int,
-                 per_client: int, lengths: list[int], progress: Progress) -> dict:
+                 per_client: int, lengths: list[int], progress: Progress,
+                 temperature: float) -> dict:
     work = _workload(clients * per_client, lengths)
     results: list[dict] = []
 
@@ -73,7 +80,8 @@ async def _level(base: str, model: str, policy: str, k: int, clients: int,
         async with httpx.AsyncClient(base_url=base, timeout=1800) as c:
             for j in range(per_client):
                 prompt, n = work[i * per_client + j]
-                results.append(await _one(c, model, prompt, n, POLICIES[policy](k)))
+                results.append(await _one(c, model, prompt, n, POLICIES[policy](k),
+                                          temperature, 1000 * i + j))
                 progress.advance()
 
     t0 = time.perf_counter()
@@ -82,7 +90,10 @@ async def _level(base: str, model: str, policy: str, k: int, clients: int,
     ok = [r for r in results if "error" not in r]
     itls = [r["itl"] for r in ok if r["itl"] is not None]
     spec = [r for r in ok if r["mode"] == "speculative"]
-    return {"policy": policy, "clients": clients, "requests": len(results),
+    predicted = [r["expected_speedup"] for r in ok if r.get("expected_speedup")]
+    return {"policy": policy, "temperature": temperature, "clients": clients,
+            "requests": len(results),
+            "predicted_speedup": median(predicted) if predicted else None,
             "errors": len(results) - len(ok),
             "output_tokens_per_s": sum(r["tokens"] for r in ok) / wall,
             "ttft_p50_s": median([r["ttft"] for r in ok]),
@@ -123,14 +134,18 @@ def _plot(rows: list[dict], path: str) -> None:
         print("matplotlib not installed: no plot")
         return
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for policy in POLICIES:
-        rs = [r for r in rows if r["policy"] == policy]
-        if not rs:
-            continue
-        x = [r["clients"] for r in rs]
-        axes[0].plot(x, [r["output_tokens_per_s"] for r in rs], marker="o", label=policy)
-        axes[1].plot(x, [r["ttft_p50_s"] for r in rs], marker="o", label=policy)
-        axes[2].plot(x, [r["itl_p50_ms"] for r in rs], marker="o", label=policy)
+    for temperature in sorted({r["temperature"] for r in rows}):
+        for policy in POLICIES:
+            rs = [r for r in rows if r["policy"] == policy and r["temperature"] == temperature]
+            if not rs:
+                continue
+            x = [r["clients"] for r in rs]
+            label = f"{policy}, T={temperature:g}"
+            style = "-" if temperature == 0 else "--"
+            axes[0].plot(x, [r["output_tokens_per_s"] for r in rs], style, marker="o",
+                         label=label)
+            axes[1].plot(x, [r["ttft_p50_s"] for r in rs], style, marker="o", label=label)
+            axes[2].plot(x, [r["itl_p50_ms"] for r in rs], style, marker="o", label=label)
     for ax, title in zip(axes, ("output tokens/s", "TTFT p50 (s)", "inter-token p50 (ms)"),
                          strict=True):
         ax.set_xscale("log", base=2)
@@ -144,36 +159,48 @@ def _plot(rows: list[dict], path: str) -> None:
 
 def main(args) -> int:
     levels = args.clients
-    total = len(args.policies) * sum(c * args.requests_per_client for c in levels)
+    total = len(args.temperatures) * len(args.policies) * sum(
+        c * args.requests_per_client for c in levels)
     progress = Progress("bench serve", total=total, unit=" requests")
     rows = []
 
     async def sweep():
         # Level-major: the policies at one level run back to back, under the same machine
         # conditions, so their ratio is fair even when the machine drifts over the sweep.
-        for c in levels:
-            for policy in args.policies:
-                rows.append(await _level(args.url, args.model, policy, args.k, c,
-                                         args.requests_per_client, args.max_tokens, progress))
+        for temperature in args.temperatures:
+            for c in levels:
+                for policy in args.policies:
+                    rows.append(await _level(args.url, args.model, policy, args.k, c,
+                                             args.requests_per_client, args.max_tokens,
+                                             progress, temperature))
         return await _overhead(args.url, args.model)
 
     overhead = asyncio.run(sweep())
     progress.close()
-    for c in levels:
-        at = {r["policy"]: r for r in rows if r["clients"] == c}
-        best_static = max((at[p]["output_tokens_per_s"] for p in ("plain", "speculative")
-                           if p in at), default=None)
-        for r in at.values():
-            if best_static:
-                r["vs_best_static"] = r["output_tokens_per_s"] / best_static
-    print_table(rows, ["policy", "clients", "requests", "errors", "output_tokens_per_s",
-                       "vs_best_static", "ttft_p50_s", "ttft_p90_s", "itl_p50_ms",
+    for temperature in args.temperatures:
+        for c in levels:
+            at = {r["policy"]: r for r in rows
+                  if r["clients"] == c and r["temperature"] == temperature}
+            best_static = max((at[p]["output_tokens_per_s"] for p in ("plain", "speculative")
+                               if p in at), default=None)
+            for r in at.values():
+                if best_static:
+                    r["vs_best_static"] = r["output_tokens_per_s"] / best_static
+                if "plain" in at and at["plain"]["output_tokens_per_s"]:
+                    r["measured_speedup"] = (r["output_tokens_per_s"]
+                                             / at["plain"]["output_tokens_per_s"])
+    print_table(rows, ["temperature", "policy", "clients", "requests", "errors",
+                       "output_tokens_per_s", "vs_best_static", "predicted_speedup",
+                       "measured_speedup", "ttft_p50_s", "ttft_p90_s", "itl_p50_ms",
                        "itl_p90_ms", "speculative_share", "ngram_share", "k_mean"],
                 title=f"{args.url} {args.model}: concurrency sweep")
-    totals = {p: sum(r["output_tokens_per_s"] for r in rows if r["policy"] == p)
-              for p in args.policies}
-    print_table([{"policy": p, "sum_over_levels_tokens_per_s": v} for p, v in totals.items()],
-                ["policy", "sum_over_levels_tokens_per_s"], title="whole sweep")
+    totals = [{"temperature": t, "policy": p,
+               "sum_over_levels_tokens_per_s": sum(
+                   r["output_tokens_per_s"] for r in rows
+                   if r["policy"] == p and r["temperature"] == t)}
+              for t in args.temperatures for p in args.policies]
+    print_table(totals, ["temperature", "policy", "sum_over_levels_tokens_per_s"],
+                title="whole sweep")
     print_table([overhead], list(overhead), title="HTTP + Serve overhead per request")
     write_json(args.json, rows + [{"overhead": overhead}])
     if args.plot:

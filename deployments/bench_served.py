@@ -1,0 +1,287 @@
+"""`specdec bench served`: one client, the same greedy prompts, every system in one run.
+
+In this order: transformers' plain `generate` and assisted generation (the draft as
+assistant_model, at k = 4 fixed and at its default schedule; in each dtype asked for, so
+the peer is shown at its defaults and at its best); our engine in this process (plain, each
+static k, the policy's auto), assembled from the application config; then the application
+itself served over HTTP from the same config (speculation off, on at each k, auto).
+
+Each row is the median tokens/s over prompts x repeats, with the quartiles so a reader can
+tell a 5% difference from noise. The served rows also report the per-step timeline the
+engine replica measured (where a step's time goes, per actor) and the bytes that crossed
+between the actors per step, and the HTTP + Serve overhead per request.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+
+import httpx
+import torch
+
+from deployments.launch import free_port, local_ray
+from specdec import hub
+from specdec.assemble import LocalBackend, assemble
+from specdec.bench.prompts import PROMPT_SETS
+from specdec.bench.table import median, percentile, print_table, write_json
+from specdec.cli_generate import spec_from_config
+from specdec.engine_policy import Overrides
+from specdec.generate import load_tokenizer
+from specdec.progress import Progress
+from specdec.sampling import SamplingParams
+from specdec.timeline import timeline_summary
+
+
+def _prompts(sets: list[str], per_set: int) -> list[tuple[str, bool]]:
+    return [(p, chat) for name in sets for p in PROMPT_SETS[name][1][:per_set]
+            for chat in [PROMPT_SETS[name][0]]]
+
+
+def _ids(tok, text: str, chat: bool) -> list[int]:
+    if chat:
+        return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                       add_generation_prompt=True, return_dict=False)
+    return tok(text).input_ids
+
+
+def _row(system: str, config: str, rates: list[float], **extra) -> dict:
+    return {"system": system, "config": config, "runs": len(rates),
+            "tokens_per_s": median(rates), "q1": percentile(rates, 25),
+            "q3": percentile(rates, 75), **extra}
+
+
+# ---- transformers ------------------------------------------------------------------------
+
+def _hf_rows(args, spec, prompts, progress) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    rows = []
+    for dtype_name in args.hf_dtypes:
+        dtype = getattr(torch, dtype_name)
+        target = AutoModelForCausalLM.from_pretrained(hub.resolve(spec.target.model), dtype=dtype)
+        draft = AutoModelForCausalLM.from_pretrained(hub.resolve(spec.draft.model), dtype=dtype)
+        tok = load_tokenizer(hub.resolve(spec.target.model))
+        defaults = {k: getattr(draft.generation_config, k) for k in (
+            "num_assistant_tokens", "num_assistant_tokens_schedule",
+            "assistant_confidence_threshold")}
+        fixed4 = {"num_assistant_tokens": 4, "num_assistant_tokens_schedule": "constant",
+                  "assistant_confidence_threshold": 0.0}
+        for config, extra, settings in (
+                ("plain", {}, None),
+                ("assisted k=4", {"assistant_model": draft}, fixed4),
+                (f"assisted default ({defaults['num_assistant_tokens']}, "
+                 f"{defaults['num_assistant_tokens_schedule']})",
+                 {"assistant_model": draft}, defaults)):
+            rates = []
+            warm = torch.tensor([_ids(tok, *prompts[0])])
+            target.generate(warm, attention_mask=torch.ones_like(warm), do_sample=False,
+                            max_new_tokens=8, **extra)  # first calls pay for allocations
+            for _ in range(args.repeats):
+                for text, chat in prompts:
+                    if settings:  # the schedule adapts during a call: reset it every call
+                        for key, value in settings.items():
+                            setattr(draft.generation_config, key, value)
+                    x = torch.tensor([_ids(tok, text, chat)])
+                    t = time.perf_counter()
+                    out = target.generate(x, attention_mask=torch.ones_like(x),
+                                          do_sample=False, max_new_tokens=args.max_tokens,
+                                          min_new_tokens=args.max_tokens, **extra)
+                    rates.append((out.shape[1] - x.shape[1]) / (time.perf_counter() - t))
+                    progress.advance()
+            rows.append(_row("transformers", config, rates, dtype=dtype_name))
+        del target, draft
+        gc.collect()
+    return rows
+
+
+# ---- our engine, in this process ---------------------------------------------------------
+
+def _modes(ks: list[int]) -> list[tuple[str, Overrides]]:
+    return [("plain", Overrides(mode="off"))] + \
+        [(f"speculative k={k}", Overrides(mode="on", method="draft", k=k)) for k in ks] + \
+        [("auto (policy)", Overrides(mode="auto"))]
+
+
+def _local_rows(args, spec, prompts, progress) -> list[dict]:
+    built = assemble(spec, LocalBackend())
+    tok = built.tokenizer
+    rows = []
+    try:
+        for config, wanted in _modes(args.k):
+            rates, mal = [], []
+            for _ in range(args.repeats):
+                for text, chat in prompts:
+                    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                            ignore_eos=True)
+                    built.engine.history.clear()
+                    t = time.perf_counter()
+                    req, decision = built.submit("bench", _ids(tok, text, chat), params, wanted)
+                    final = _drain(built.engine, "bench")
+                    rates.append(len(final.token_ids) / (time.perf_counter() - t))
+                    if final.spec.mean_acceptance_length:
+                        mal.append(final.spec.mean_acceptance_length)
+                    progress.advance()
+            rows.append(_row("ours, in process", config, rates, dtype=spec.target.dtype,
+                             mean_acceptance_length=median(mal) if mal else None,
+                             timeline=timeline_summary(list(built.engine.history))))
+    finally:
+        built.close()
+        del built
+        gc.collect()
+    return rows
+
+
+def _drain(engine, rid: str):
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return out
+
+
+# ---- the served application -------------------------------------------------------------
+
+def _served_rows(args, app_args: dict, prompts, progress) -> tuple[list[dict], dict]:
+    from ray import serve
+
+    from deployments.app import build_app
+
+    port = free_port()
+    rows: list[dict] = []
+    overhead: dict = {}
+    with local_ray(num_cpus=os.cpu_count() or 2, quiet_serve=True):
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        t0 = time.perf_counter()
+        serve.run(build_app(app_args), name="specdec", route_prefix="/")
+        ready_s = time.perf_counter() - t0
+        model = app_args.get("model_name") or app_args["target"]["model"]
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=1800) as c:
+                for config, wanted in _modes(args.k):
+                    body_spec = {"mode": wanted.mode, "method": wanted.method, "k": wanted.k}
+                    rates, mal, ttft, over = [], [], [], []
+                    for _ in range(args.repeats):
+                        for text, chat in prompts:
+                            r = _one_http(c, model, text, chat, args.max_tokens,
+                                          {k: v for k, v in body_spec.items() if v is not None})
+                            rates.append(r["tokens"] / r["latency"])
+                            ttft.append(r["ttft"])
+                            over.append(r["latency"] - r["engine_s"])
+                            if r["mal"]:
+                                mal.append(r["mal"])
+                            progress.advance()
+                    timeline = c.get("/health").json()["engine"].get("timeline", {})
+                    rows.append(_row("ours, served", config, rates,
+                                     dtype=app_args["target"].get("dtype", "auto"),
+                                     mean_acceptance_length=median(mal) if mal else None,
+                                     ttft_p50_s=median(ttft),
+                                     overhead_p50_ms=1000 * median(over), timeline=timeline))
+                overhead = _overhead(c, model)
+        finally:
+            serve.shutdown()
+    overhead["ready_s"] = ready_s
+    return rows, overhead
+
+
+def _one_http(c: httpx.Client, model: str, text: str, chat: bool, max_tokens: int,
+              spec: dict) -> dict:
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "speculative": spec}
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+    body.update({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})
+    t0 = time.perf_counter()
+    first, usage, sd = None, {}, {}
+    with c.stream("POST", route, json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage, sd = chunk["usage"], chunk.get("spec_decode") or {}
+            elif first is None and chunk.get("choices"):
+                ch = chunk["choices"][0]
+                if ch.get("text") or (ch.get("delta") or {}).get("content"):
+                    first = time.perf_counter()
+    latency = time.perf_counter() - t0
+    return {"tokens": usage.get("completion_tokens", 0), "latency": latency,
+            "ttft": (first or t0) - t0, "engine_s": sd.get("engine_s") or latency,
+            "mal": sd.get("mean_acceptance_length")}
+
+
+def _overhead(c: httpx.Client, model: str, n: int = 20) -> dict:
+    """1-token requests: HTTP latency against the time inside the engine replica."""
+    lat, inside = [], []
+    for _ in range(n):
+        t = time.perf_counter()
+        r = c.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 1,
+                                            "speculative": {"mode": "off"}})
+        r.raise_for_status()
+        lat.append(time.perf_counter() - t)
+        inside.append(r.json()["spec_decode"]["engine_s"])
+    over = [a - b for a, b in zip(lat, inside, strict=True)]
+    return {"http_latency_p50_ms": 1000 * median(lat), "engine_p50_ms": 1000 * median(inside),
+            "http_plus_serve_p50_ms": 1000 * median(over),
+            "http_plus_serve_p90_ms": 1000 * percentile(over, 90)}
+
+
+# ---- the run ------------------------------------------------------------------------------
+
+def _ratios(rows: list[dict]) -> list[dict]:
+    by = {(r["system"], r["config"]): r["tokens_per_s"] for r in rows}
+    hf_assisted = {c: v for (s, c), v in by.items() if s == "transformers" and "assisted" in c}
+    best_hf = max(hf_assisted.values(), default=None)
+    out = []
+
+    def ratio(name, a, b, goal=None):
+        if a is not None and b:
+            out.append({"ratio": name, "value": a / b, "goal": goal})
+
+    served_plain = by.get(("ours, served", "plain"))
+    for (s, c), v in by.items():
+        if s == "ours, served":
+            ratio(f"served {c} / in process {c}", v, by.get(("ours, in process", c)),
+                  ">= 0.9" if c in ("plain", "auto (policy)") or c.startswith("spec") else None)
+    auto = by.get(("ours, served", "auto (policy)"))
+    ratio("served auto / served plain", auto, served_plain, ">= 2.0")
+    ratio("served auto / best transformers assisted", auto, best_hf, ">= 1.3")
+    for c, v in hf_assisted.items():
+        ratio(f"served auto / transformers {c}", auto, v)
+    return out
+
+
+def main(args) -> int:
+    import yaml
+
+    doc = yaml.safe_load(open(args.config))
+    app_args = doc["applications"][0]["args"]
+    spec = spec_from_config(args.config)
+    prompts = _prompts(args.sets, args.prompts_per_set)
+    n_modes = len(args.k) + 2
+    total = len(prompts) * args.repeats * ((0 if args.no_hf else 3 * len(args.hf_dtypes))
+                                           + 2 * n_modes)
+    progress = Progress("bench served", total=total, unit=" requests")
+    rows = [] if args.no_hf else _hf_rows(args, spec, prompts, progress)
+    rows += _local_rows(args, spec, prompts, progress)
+    served, overhead = _served_rows(args, app_args, prompts, progress)
+    rows += served
+    progress.close()
+    print_table(rows, ["system", "config", "dtype", "runs", "tokens_per_s", "q1", "q3",
+                       "mean_acceptance_length", "ttft_p50_s", "overhead_p50_ms"],
+                title=f"{args.config}: one client, {args.max_tokens} new tokens, greedy, "
+                      f"{len(prompts)} prompts x {args.repeats} repeats (median, quartiles)")
+    lines = [dict(system=r["system"], config=r["config"], **r["timeline"])
+             for r in rows if r.get("timeline")]
+    if lines:
+        print_table(lines, ["system", "config", "step_ms", "plan_ms", "draft_call_ms",
+                            "draft_compute_ms", "target_call_ms", "target_compute_ms", "post_ms",
+                            "gap_ms", "draft_bytes", "target_bytes"],
+                    title="per step (medians over the last steps of each row): where the time "
+                          "goes; *_call = seen by the engine, *_compute = inside the actor")
+    print_table([overhead], list(overhead), title="HTTP + Serve overhead per request")
+    ratios = _ratios(rows)
+    print_table(ratios, ["ratio", "value", "goal"], title="ratios in this run")
+    write_json(args.json, rows + [{"overhead": overhead}, {"ratios": ratios}])
+    return 0

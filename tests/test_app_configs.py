@@ -1,0 +1,36 @@
+"""The shipped application configs parse and are sized as they say."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from deployments.app import parse_args
+from deployments.placement import bundles_for
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def args_of(name: str) -> dict:
+    return yaml.safe_load((ROOT / name).read_text())["applications"][0]["args"]
+
+
+def test_cpu_default_fits_two_cores_without_hidden_oversubscription():
+    cfg = parse_args(args_of("serve_config.yaml"))
+    bundles, t_idx, d_idx = bundles_for(cfg, replica_cpus=cfg.replica_cpus)
+    assert sum(b.get("CPU", 0) for b in bundles) <= 2.0
+    assert cfg.target.tp == 1 and cfg.target.threads_per_rank() == cfg.target.resources.num_cpus
+    # The draft computes with the target's cores only while the target waits: it reserves
+    # nothing and sits in target rank 0's bundle, on the same node.
+    assert cfg.draft.resources.reserves_nothing and d_idx == [t_idx[0]]
+    assert cfg.draft.vocab_limit and cfg.draft.q_top_m <= 256 and cfg.target.dtype == "auto"
+
+
+def test_gpu_variant_puts_every_shard_and_the_draft_on_its_own_gpu():
+    cfg = parse_args(args_of("serve_config.gpu.yaml"))
+    assert cfg.target.tp >= 2 and cfg.target.resources.num_gpus == 1
+    assert cfg.draft.resources.num_gpus == 1
+    bundles, t_idx, d_idx = bundles_for(cfg, replica_cpus=cfg.replica_cpus)
+    assert sum(b.get("GPU", 0) for b in bundles) == cfg.target.tp + 1
+    assert set(t_idx).isdisjoint(d_idx)
