@@ -39,6 +39,9 @@ class AppArgs(EngineSpec):
     # instead of requests piling up unseen; None = 2 x capacity.
     max_ongoing_requests: int | None = Field(None, ge=1)
     router_max_ongoing_requests: int = Field(1024, ge=1)
+    # Required as `Authorization: Bearer` on every /v1 route when set. The SPECDEC_API_KEY
+    # environment variable of the router's process takes precedence (keep keys out of files).
+    api_key: str | None = Field(None, min_length=8, repr=False)
 
     def engine_max_ongoing(self) -> int:
         return self.max_ongoing_requests or 2 * (self.runtime.max_slots + self.max_waiting)

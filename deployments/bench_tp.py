@@ -15,6 +15,7 @@ import time
 import torch
 
 from deployments.launch import local_ray
+from deployments.procinfo import rss_anon_mb
 from deployments.target import RayTargetRunner
 from specdec.bench.table import print_table, write_json
 from specdec.engine_config import ModelGroupConfig, RuntimeConfig
@@ -48,9 +49,7 @@ def main(args) -> int:
     local = Decoder.from_checkpoint(path, dtype)
     weights = local.weight_bytes()
     local_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss0
-    from deployments.shard import _rss_anon_mb
-
-    local_anon = _rss_anon_mb()
+    local_anon = rss_anon_mb()
     base = statistics.median(_step_times(LocalTargetRunner(local, 1, 512), args.steps, progress))
     rows = [{"runner": "local", "tp": 1, "step_ms": 1000 * base, "overhead_ms": 0.0,
              "ratio": 1.0, "weights_mb_per_shard": weights / 2**20,

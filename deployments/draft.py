@@ -13,12 +13,17 @@ import logging
 import threading
 import time
 
-from deployments.shard_group import GroupFailed, ShardGroup
+from deployments.shard_group import GroupFailed, ShardError, ShardGroup
 from specdec.engine_config import DraftGroupConfig, RuntimeConfig
 from specdec.proposers import Proposal, ProposeInput
 from specdec.wire import CallStats, ContextSender, payload_bytes
 
 log = logging.getLogger(__name__)
+
+
+class DraftUnavailable(RuntimeError):
+    """No guesses this round: the engine decodes it plainly and counts nothing against the
+    draft's acceptance."""
 
 
 class RayDraftProposer:
@@ -46,19 +51,28 @@ class RayDraftProposer:
     def propose(self, inputs: list[ProposeInput]) -> list[Proposal]:
         self.last_call = None
         if not self.available:
-            return [Proposal([]) for _ in inputs]
+            raise DraftUnavailable("the draft group is being rebuilt")
         deltas = self.sender.encode(inputs)
         released, self._released = self._released, []
         try:
             proposals, compute_s = self.group.call("draft_propose", deltas, released)
-        except GroupFailed as exc:
+        except (GroupFailed, ShardError) as exc:
+            # Its copies of the contexts may be half-updated: start from a fresh draft.
             self.failures += 1
             log.error("draft group failed (%s); decoding plainly until it is back", exc)
             self._start_rebuild()
-            return [Proposal([]) for _ in inputs]
+            raise DraftUnavailable(str(exc)) from exc
         self.last_call = CallStats(compute_s, payload_bytes((deltas, released))
                                    + payload_bytes(proposals))
         return proposals
+
+    def probe(self) -> None:
+        """Health check between requests: a draft that died while nobody asked it for
+        guesses is noticed (and rebuilt) here rather than on the next speculative round."""
+        if self.available and not self.group.answers():
+            self.failures += 1
+            log.error("draft group does not answer; rebuilding")
+            self._start_rebuild()
 
     def accepted(self, seq_id: str, valid_len: int) -> None:
         """Nothing to send: the draft sees from the next context which guesses were kept."""

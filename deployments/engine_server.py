@@ -15,6 +15,7 @@ import uuid
 from ray.util import get_current_placement_group
 
 from deployments.metrics import EngineMetrics
+from deployments.procinfo import rss_mb
 from deployments.ray_backend import RayBackend
 from specdec.assemble import assemble
 from specdec.engine_config import EngineSpec
@@ -22,6 +23,7 @@ from specdec.engine_policy import Overrides
 from specdec.request import CapacityError, EngineError
 from specdec.sampling import SamplingParams
 from specdec.timeline import timeline_summary
+from specdec.watchdog import Watchdog
 
 log = logging.getLogger("ray.serve")
 
@@ -37,6 +39,7 @@ class EngineServer:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = {}
         self._wake = threading.Event()
         self._stop = False
+        self.watchdog = Watchdog(spec.runtime.watchdog_limit_s())
         self._thread = threading.Thread(target=self._loop, daemon=True, name="engine-loop")
         self._thread.start()
 
@@ -44,6 +47,7 @@ class EngineServer:
 
     def _loop(self) -> None:
         while not self._stop:
+            self.watchdog.beat()
             if not self.engine.has_work():
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -76,6 +80,7 @@ class EngineServer:
                  "token_ids": out.new_token_ids if stream else out.token_ids,
                  "finished": out.finished,
                  "finish_reason": out.finish_reason, "error": out.error,
+                 "error_kind": out.error_kind,
                  "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.token_ids),
                  "k": out.k, "spec": out.spec.as_dict() if out.finished else None}
         loop.call_soon_threadsafe(queue.put_nowait, chunk)
@@ -90,7 +95,11 @@ class EngineServer:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        params = SamplingParams(**payload["params"])
+        try:
+            params = SamplingParams(**payload["params"])
+        except ValueError as exc:  # the router validates first; this is the last guard
+            yield {"error": str(exc), "error_kind": "invalid", "finished": True}
+            return
         wanted = Overrides(**(payload.get("speculative") or {}))
         self._queues[rid] = (loop, queue, bool(payload.get("stream", True)))
         try:
@@ -122,7 +131,7 @@ class EngineServer:
                 self.engine.abort(rid)
                 self._wake.set()
 
-    def load(self) -> dict:
+    async def load(self) -> dict:
         load = self.engine.load()
         methods = self.built.methods()
         load.update(self.policy.report(methods))
@@ -132,16 +141,40 @@ class EngineServer:
             "target_failures": getattr(self.engine.target, "failures", 0),
             "draft_failures": getattr(draft, "failures", 0),
             "timeline": timeline_summary(list(self.engine.history)[-32:]),
+            "memory_mb": await self._memory(),
             "time": time.time(),
         })
         return load
 
+    async def _memory(self) -> dict:
+        """RSS of this replica and of every shard actor (by name), now and at peak."""
+        out = {"engine_replica": {"rss_mb": rss_mb()}}
+        groups = [getattr(self.engine.target, "group", None),
+                  getattr(self.built.draft, "group", None)]
+        named = [(f"{g.role}-r{r}", a) for g in groups if g is not None
+                 for r, a in enumerate(g.actors)]
+        try:
+            got = await asyncio.wait_for(
+                asyncio.gather(*(a.memory.remote() for _, a in named)), timeout=2)
+            out.update({name: m for (name, _), m in zip(named, got, strict=True)})
+        except Exception:  # noqa: BLE001 - a shard being rebuilt: report what answered
+            pass
+        return out
+
     def check_health(self) -> None:
         if not self._thread.is_alive():
             raise RuntimeError("engine loop died")
+        probe = getattr(self.built.draft, "probe", None)
+        if probe is not None:
+            probe()  # a lost draft costs speed, not health: rebuild it, stay healthy
+        stalled = self.watchdog.stalled(self.engine.has_work())
+        if stalled is not None:
+            raise RuntimeError(f"engine loop made no progress for {stalled:.0f}s with work "
+                               "waiting")
         if not self.engine.target.group.actors:
             raise RuntimeError("target group is down and could not be rebuilt")
 
     def __del__(self) -> None:
         self._stop = True
+
 

@@ -2,26 +2,42 @@
 tokenization, and the hand-off to an engine replica with what the request says about
 speculation. The replica that runs a request decides plain or speculative and k from its
 own load (specdec/engine_policy.py); its decision comes back with the first chunk and is
-reported in `spec_decode` and the router's decision metrics. No maths here."""
+reported in `spec_decode` and the router's decision metrics. No maths here.
+
+Hardening: bodies are capped (413) before they are read whole; bodies are validated by the
+declared models (400 naming the field, also for JSON too deeply nested to parse); text is
+tokenized on a worker thread, so a long prompt never stalls the event loop that serves
+everyone else; an API key, when configured, guards every /v1 route (401); 503s carry
+Retry-After.
+"""
 
 
 import asyncio
+import concurrent.futures
+import hmac
 import json
 import logging
+import os
 import time
 import uuid
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.app_config import AppArgs
+from deployments.body_limit import BodyLimit
 from deployments.metrics import RouterMetrics
 from deployments.openai_api import (
     APIError,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
     error_response,
     validation_message,
 )
@@ -29,12 +45,33 @@ from specdec.generate import load_tokenizer
 from specdec.hub import resolve
 
 log = logging.getLogger("ray.serve")
-api = FastAPI(title="specdec-serve", version="0.1.0")
+MAX_BODY_BYTES = 4 << 20  # a body beyond this is refused (413) before it is read whole
+api = FastAPI(title="specdec-serve", version="0.2.0", openapi_url=None)
+api.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+RETRY_AFTER_S = "2"
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
 
 
 @api.exception_handler(APIError)
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
     return exc.response()
+
+
+@api.exception_handler(RequestValidationError)
+async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    msg, param = validation_message(exc.errors())
+    return error_response(400, msg, param=param)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    # Route not found, method not allowed, body too large or unparsable: OpenAI-shaped too.
+    detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+    if exc.status_code == 400 and "parsing the body" in detail:
+        detail = "request body could not be parsed as JSON (malformed, or nested too deeply)"
+    return error_response(exc.status_code, detail,
+                          "invalid_request_error" if exc.status_code < 500 else "server_error",
+                          headers=getattr(exc, "headers", None))
 
 
 @api.exception_handler(Exception)
@@ -51,25 +88,45 @@ class RouterServer:
         self.tokenizer = load_tokenizer(resolve(self.args.target.model))
         self.max_len = self.args.runtime.max_len
         self.metrics = RouterMetrics()
+        self.api_key = os.environ.get("SPECDEC_API_KEY") or self.args.api_key
+        # One thread: tokenizers are not safe to share across threads, and the point is
+        # only to keep the event loop free.
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, "tokenize")
+        self._openapi: dict | None = None
+
+    def openapi_schema(self) -> dict:
+        """The API's schema, naming the models this server takes, so a client generator
+        (or a fuzzer) learns them instead of guessing."""
+        if self._openapi is None:
+            schema = get_openapi(title=api.title, version=api.version, routes=api.routes)
+            names = sorted({self.model_name, self.args.target.model})
+            for request in ("CompletionRequest", "ChatCompletionRequest"):
+                schema["components"]["schemas"][request]["properties"]["model"]["enum"] = names
+            self._openapi = schema
+        return self._openapi
 
     # ---- request handling -----------------------------------------------------------------
 
-    async def _parse(self, request: Request, schema):
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"request body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object")
-        try:
-            req = schema.model_validate(body)
-        except ValidationError as exc:
-            msg, param = validation_message(exc.errors())
-            raise APIError(400, msg, param=param) from exc
+    def _authorize(self, request: Request) -> bool:
+        """True when no key is configured or the request carries it (constant-time)."""
+        if not self.api_key:
+            return True
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode())
+
+    def _check(self, request: Request, req) -> None:
+        if not self._authorize(request):
+            raise APIError(401, "missing or wrong API key: send Authorization: Bearer <key>",
+                           "authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
         if req.model not in (self.model_name, self.args.target.model):
             raise APIError(404, f"model {req.model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", param="model", code="model_not_found")
-        return req
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     def _prepare(self, req, prompt_ids: list[int], prompt_param: str) -> dict:
         if not prompt_ids:
@@ -157,7 +214,8 @@ class RouterServer:
         except Exception as exc:  # the replica died or Serve could not reach one
             gen.cancel()
             raise APIError(503, f"no engine available: {type(exc).__name__}",
-                           "service_unavailable", code="engine_unavailable") from exc
+                           "service_unavailable", code="engine_unavailable",
+                           headers={"Retry-After": RETRY_AFTER_S}) from exc
         try:
             self._raise_for(first)
         except APIError:
@@ -169,12 +227,17 @@ class RouterServer:
     @staticmethod
     def _raise_for(chunk: dict) -> None:
         if chunk.get("error_kind") == "capacity":
-            raise APIError(503, chunk["error"], "overloaded_error", code="overloaded")
+            raise APIError(503, chunk["error"], "overloaded_error", code="overloaded",
+                           headers={"Retry-After": RETRY_AFTER_S})
         if chunk.get("error_kind") == "invalid":
             raise APIError(400, chunk["error"], param=chunk.get("param"))
         if chunk.get("finish_reason") == "error":
+            if chunk.get("error_kind") == "internal":
+                raise APIError(500, f"the engine failed on this request's step: "
+                                    f"{chunk['error']}", "server_error", code="engine_error")
             raise APIError(503, f"the engine lost its target mid-request: {chunk['error']}",
-                           "service_unavailable", code="engine_unavailable")
+                           "service_unavailable", code="engine_unavailable",
+                           headers={"Retry-After": RETRY_AFTER_S})
 
     async def _collect(self, gen) -> tuple[str, dict]:
         text, final = [], {}
@@ -187,7 +250,8 @@ class RouterServer:
             raise
         except Exception as exc:  # the replica died or Serve could not reach one
             raise APIError(503, f"no engine available: {type(exc).__name__}",
-                           "service_unavailable", code="engine_unavailable") from exc
+                           "service_unavailable", code="engine_unavailable",
+                           headers={"Retry-After": RETRY_AFTER_S}) from exc
         return "".join(text), final
 
     async def _sse(self, gen, make_chunk, first_chunk, include_usage: bool):
@@ -222,8 +286,7 @@ class RouterServer:
 
 
 def _err(exc: APIError) -> dict:
-    return {"error": {"message": exc.message, "type": exc.type, "param": exc.param,
-                      "code": exc.code}}
+    return exc.body()
 
 
 def _usage(final: dict) -> dict:
@@ -235,41 +298,60 @@ def _usage(final: dict) -> dict:
 @serve.ingress(api)
 class Router(RouterServer):
     @api.get("/health")
-    async def health(self) -> dict:
+    async def health(self, request: Request):
+        """ok / not ok for anyone; the engine's details only with the API key (if one is
+        configured)."""
         try:
             load = await asyncio.wait_for(self.engine.load.remote(), timeout=5)
         except Exception as exc:  # noqa: BLE001
-            raise APIError(503, f"engine unavailable: {type(exc).__name__}",
-                           "service_unavailable") from exc
+            return JSONResponse(status_code=503, headers={"Retry-After": RETRY_AFTER_S},
+                                content={"status": "unavailable",
+                                         "reason": f"engine unavailable: {type(exc).__name__}"})
+        if not self._authorize(request):
+            return {"status": "ok"}
         return {"status": "ok", "model": self.model_name, "engine": load}
 
-    @api.get("/v1/models")
-    async def models(self) -> dict:
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi(self) -> dict:
+        return self.openapi_schema()
+
+    @api.get("/v1/models", responses=_ERRORS)
+    async def models(self, request: Request) -> dict:
+        if not self._authorize(request):
+            raise APIError(401, "missing or wrong API key: send Authorization: Bearer <key>",
+                           "authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": 0, "owned_by": "specdec-serve",
             "max_model_len": self.max_len}]}
 
-    @api.post("/v1/completions")
-    async def completions(self, request: Request):
-        req = await self._parse(request, CompletionRequest)
-        if isinstance(req.prompt, str):
-            ids = self.tokenizer(req.prompt).input_ids
+    @api.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(self, body: CompletionRequest, request: Request):
+        self._check(request, body)
+        if isinstance(body.prompt, str):
+            ids = (await self._off_loop(self.tokenizer, body.prompt)).input_ids
         else:
-            ids = list(req.prompt)
-            bad = [t for t in ids if not 0 <= t < len(self.tokenizer)]
+            ids = list(body.prompt)
+            vocab = len(self.tokenizer)
+            bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise APIError(400, f"prompt holds token ids outside the vocabulary: {bad[:5]}",
-                               param="prompt")
-        return await self._respond(req, self._prepare(req, ids, "prompt"), chat=False)
+                raise APIError(400, f"prompt holds token ids outside the vocabulary "
+                                    f"(0..{vocab - 1}): {bad[:5]}", param="prompt")
+        return await self._respond(body, self._prepare(body, ids, "prompt"), chat=False)
 
-    @api.post("/v1/chat/completions")
-    async def chat(self, request: Request):
-        req = await self._parse(request, ChatCompletionRequest)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    @api.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses=_ERRORS)
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        self._check(request, body)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+
+        def template():
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                     tokenize=True, return_dict=False)
+            ids = await self._off_loop(template)
         except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
             raise APIError(400, f"messages could not be formatted: {exc}",
                            param="messages") from exc
-        return await self._respond(req, self._prepare(req, list(ids), "messages"), chat=True)
+        return await self._respond(body, self._prepare(body, list(ids), "messages"), chat=True)

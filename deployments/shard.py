@@ -18,7 +18,6 @@ Follower ranks block the compute thread in follow(); pings use the "control" gro
 from __future__ import annotations
 
 import os
-import resource
 import socket
 import time
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import ray
 import torch
 
+from deployments.procinfo import peak_rss_mb, rss_anon_mb, rss_mb
 from specdec.hub import resolve
 from specdec.model import Decoder
 from specdec.openmp import omp_max_threads
@@ -69,6 +69,11 @@ class ModelShard:
     def pid(self) -> int:
         return os.getpid()
 
+    @ray.method(concurrency_group="control")
+    def memory(self) -> dict:
+        """This process's memory now and at its peak (MB)."""
+        return {"rss_mb": rss_mb(), "peak_rss_mb": peak_rss_mb()}
+
     @ray.method(concurrency_group="compute")
     def threads(self) -> dict:
         """Threads as a method thread sees them: torch's count and OpenMP's own setting."""
@@ -80,7 +85,7 @@ class ModelShard:
         """Join the group, read this rank's slice of the weights, allocate its KV cache."""
         self.group = Group(self.rank, self.world, init_method, self.device, collective_timeout_s)
         path = resolve(self.model_ref)
-        rss_before = _max_rss_mb()
+        rss_before = peak_rss_mb()
         local = Decoder.from_checkpoint(path, self.dtype, self.device,
                                         ShardSpec(self.rank, self.world),
                                         with_lm_head=self.rank == 0)
@@ -101,8 +106,8 @@ class ModelShard:
         return {"rank": self.rank, "backend": self.group.backend, "device": self.device,
                 "weights_mb": weights / 2**20,
                 "kv_cache_mb": 2 * cache.k.numel() * cache.k.element_size() / 2**20,
-                "peak_rss_mb": _max_rss_mb(), "rss_before_load_mb": rss_before,
-                "rss_anon_mb": _rss_anon_mb(), "threads": torch.get_num_threads(),
+                "peak_rss_mb": peak_rss_mb(), "rss_before_load_mb": rss_before,
+                "rss_anon_mb": rss_anon_mb(), "threads": torch.get_num_threads(),
                 "vocab_size": local.cfg.vocab_size, "format": local.format.name}
 
     @ray.method(concurrency_group="compute")
@@ -146,17 +151,3 @@ class ModelShard:
             (self.runner.model if self.runner else self.proposer.model).stop_followers()
         if self.group is not None:
             self.group.destroy()
-
-
-def _max_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _rss_anon_mb() -> float:
-    """Private memory now (weights, cache, interpreter), without the checkpoint's mmap'd
-    file pages that reading a slice touches and the kernel can drop at any time."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")

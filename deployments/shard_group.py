@@ -20,6 +20,11 @@ class GroupFailed(RuntimeError):
     """A rank died, a collective broke or a call timed out; the group must be rebuilt."""
 
 
+class ShardError(RuntimeError):
+    """The call raised inside rank 0 while every rank stayed up: a failed step, not a lost
+    group (the group keeps serving; the step's requests fail)."""
+
+
 class ShardGroup:
     def __init__(self, role: str, cfg: ModelGroupConfig, runtime: RuntimeConfig,
                  placement_group: PlacementGroup | None = None,
@@ -82,8 +87,25 @@ class ShardGroup:
         ref = getattr(self.leader, method).remote(*args)
         try:
             return ray.get(ref, timeout=timeout or self.runtime.step_timeout_s)
-        except Exception as exc:  # actor death, broken collective, timeout: all fatal
+        except ray.exceptions.RayTaskError as exc:
+            # The method raised. If every rank is still up (no follower loop ended, the
+            # leader answers), the group is intact; else a collective broke under it.
+            if self.alive() and self.answers():
+                raise ShardError(f"{self.role} {method} raised: "
+                                 f"{type(exc.cause).__name__}: {exc.cause}") from exc
             raise GroupFailed(f"{self.role} group failed: {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # actor death, timeout: fatal
+            raise GroupFailed(f"{self.role} group failed: {type(exc).__name__}: {exc}") from exc
+
+    def answers(self, timeout_s: float = 10.0) -> bool:
+        """Every rank is up: no follower loop ended, and the leader answers a ping."""
+        if not self.actors or not self.alive():
+            return False
+        try:
+            ray.get(self.leader.pid.remote(), timeout=timeout_s)
+            return True
+        except Exception:  # noqa: BLE001
+            return False
 
     def alive(self) -> bool:
         if not self.actors:

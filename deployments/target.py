@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 
-from deployments.shard_group import GroupFailed, ShardGroup
+from deployments.shard_group import GroupFailed, ShardError, ShardGroup
 from specdec.engine_config import ModelGroupConfig, RuntimeConfig
+from specdec.request import TargetLost
 from specdec.sampling import SamplingParams
 from specdec.target_runner import TargetResult, TargetRow
 from specdec.wire import CallStats, payload_bytes
@@ -20,7 +21,7 @@ from specdec.wire import CallStats, payload_bytes
 log = logging.getLogger(__name__)
 
 
-class TargetUnavailable(RuntimeError):
+class TargetUnavailable(TargetLost):
     pass
 
 
@@ -50,6 +51,8 @@ class RayTargetRunner:
         self._started, self._ended = {}, []
         try:
             results, compute_s = self.group.call("target_step", rows, started, ended)
+        except ShardError as exc:  # the step failed; the group is intact and keeps serving
+            raise RuntimeError(str(exc)) from exc
         except GroupFailed as exc:
             self.failures += 1
             log.error("target group failed (%s); rebuilding", exc)

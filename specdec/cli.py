@@ -60,6 +60,12 @@ def _bench_served(args) -> int:
     return bench_served(args)
 
 
+def _bench_load(args) -> int:
+    from specdec.bench.load import main as bench_load
+
+    return bench_load(args)
+
+
 def _bench_serve(args) -> int:
     from specdec.bench.serve import main as bench_serve
 
@@ -172,6 +178,16 @@ def build_parser() -> argparse.ArgumentParser:
     b_sd.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
     b_sd.add_argument("--json", metavar="PATH", default=None)
     b_sd.set_defaults(func=_bench_served)
+    b_ld = bench.add_parser("load", help="many streaming clients for a while: failures, "
+                                         "latency, memory, queue drain")
+    b_ld.add_argument("--url", default="http://127.0.0.1:8000")
+    b_ld.add_argument("--model", default="qwen2.5-coder-1.5b")
+    b_ld.add_argument("--clients", type=int, default=32)
+    b_ld.add_argument("--duration", type=float, default=120.0, help="seconds of sending")
+    b_ld.add_argument("--max-tokens", type=int, nargs="+", default=[16, 48, 96])
+    b_ld.add_argument("--api-key", default=None)
+    b_ld.add_argument("--json", metavar="PATH", default=None)
+    b_ld.set_defaults(func=_bench_load)
     b_tp = bench.add_parser("tp", help="tensor-parallel group overhead and memory per shard")
     b_tp.add_argument("--model", default="qwen2.5-coder-1.5b")
     b_tp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])

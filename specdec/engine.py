@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 
 from specdec.metrics import SpecCounters
 from specdec.proposers import ProposeInput, Proposer
-from specdec.request import CapacityError, EngineError, Request, RequestOutput
+from specdec.request import CapacityError, EngineError, Request, RequestOutput, TargetLost
 from specdec.stop import Detokenizer
 from specdec.target_runner import TargetResult, TargetRow, TargetRunner
 
@@ -141,22 +141,41 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step. Whatever goes wrong inside fails the requests it held, with the reason,
+        and leaves the engine clean for the next step: never a half-changed state to retry
+        on, never a request left waiting for a step that will not come."""
         outputs: list[RequestOutput] = []
         self._apply_aborts(outputs)
         self._admit()
         if not self._running:
             return outputs
+        try:
+            self._step(outputs)
+        except TargetLost as exc:
+            log.error("target failed: %s", exc)
+            self._fail_all(outputs, f"target failed: {exc}", "target_lost")
+        except Exception as exc:  # a bug: fail this step's requests, keep serving
+            log.exception("engine step failed")
+            self._fail_all(outputs, f"internal error in the engine step "
+                                    f"({type(exc).__name__}: {exc})", "internal")
+        return outputs
+
+    def _fail_all(self, outputs: list[RequestOutput], error: str, kind: str) -> None:
+        for seq in list(self._running.values()):
+            try:
+                outputs.append(self._finish(seq, "error", error=error, kind=kind))
+            except Exception:  # noqa: BLE001 - its slot is freed all the same
+                log.exception("failing request %s", seq.req.request_id)
+                self._running.pop(seq.req.request_id, None)
+                if seq.slot not in self._free_slots:
+                    self._free_slots.append(seq.slot)
+
+    def _step(self, outputs: list[RequestOutput]) -> None:
         t_start = time.perf_counter()
         rec = StepRecord(0, 0, 0.0, 0.0)
         rows, num_draft = self._plan(rec)
         t0 = time.perf_counter()
-        try:
-            results = self.target.step(rows)
-        except Exception as exc:  # the target is gone: fail what it held, keep serving
-            log.exception("target step failed")
-            for seq in list(self._running.values()):
-                outputs.append(self._finish(seq, "error", error=f"target failed: {exc}"))
-            return outputs
+        results = self.target.step(rows)
         t1 = time.perf_counter()
         rec.verify_s = t1 - t0
         call = getattr(self.target, "last_call", None)
@@ -179,7 +198,6 @@ class Engine:
         rec.end = time.perf_counter()
         rec.post_s, rec.step_s = rec.end - t1, rec.end - t_start
         self.history.append(rec)
-        return outputs
 
     def _apply_aborts(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
@@ -208,6 +226,10 @@ class Engine:
         req = seq.req
         if req.method == "none" or req.method not in self.proposers:
             return 0
+        if not getattr(self.proposers[req.method], "available", True):
+            # Down (a draft being rebuilt): a plain round, which says nothing about how
+            # often its guesses are kept, so nothing is counted against it.
+            return 0
         if self.choose_k is None or req.fixed_k:
             k = req.k
         else:
@@ -231,6 +253,7 @@ class Engine:
         t0 = time.perf_counter()
         rec.plan_s = t0 - t_plan
         proposals = {}
+        failed: set[str] = set()
         for method, inputs in asks.items():
             t_method = time.perf_counter()
             proposer = self.proposers[method]
@@ -239,6 +262,7 @@ class Engine:
             except Exception:  # a failed proposer costs speed, never a request
                 log.exception("proposer %s failed; decoding plainly this round", method)
                 got = []
+                failed.add(method)
             proposals.update({i.seq_id: p for i, p in zip(inputs, got, strict=False)})
             spent = time.perf_counter() - t_method
             call = getattr(proposer, "last_call", None)
@@ -257,9 +281,10 @@ class Engine:
             q = (prop.q_ids[: len(guesses)], prop.q_probs[: len(guesses)]) \
                 if prop and prop.q_probs is not None and guesses else None
             num_draft[rid] = len(guesses)
-            if seq.k_now and not guesses:
-                # Asked for guesses, got none (no n-gram match, draft down): for the policy
-                # this opportunity failed like a rejection at the first position.
+            if seq.k_now and not guesses and seq.req.method not in failed:
+                # Asked for guesses, got none (no n-gram match): for the policy this
+                # opportunity failed like a rejection at the first position. A proposer
+                # that failed outright is an outage, not evidence about its guesses.
                 seq.spec.empty_proposals += 1
                 self.totals[seq.req.method].empty_proposals += 1
             rows.append(TargetRow(rid, seq.slot, seq.cached, seq.tokens[seq.cached:] + guesses,
@@ -306,25 +331,27 @@ class Engine:
             return self._finish(seq, reason, new)
         return self._output(seq, new, finished=False, reason=None)
 
-    def _output(self, seq: _Seq, new: list[int], finished: bool, reason, error=None):
+    def _output(self, seq: _Seq, new: list[int], finished: bool, reason, error=None,
+                kind: str | None = None):
         text = seq.detok.text if seq.detok else ""
         delta = seq.detok.delta(final=finished) if seq.detok else ""
         out = RequestOutput(seq.req.request_id, new, delta, seq.tokens[seq.prompt_len:], text,
                             finished, reason, seq.prompt_len, seq.spec, error, seq.k_now,
-                            seq.req.method)
+                            seq.req.method, kind)
         if seq.req.on_output is not None:
             seq.req.on_output(out)
         return out
 
     def _finish(self, seq: _Seq, reason, new: list[int] | None = None,
-                error: str | None = None) -> RequestOutput:
+                error: str | None = None, kind: str | None = None) -> RequestOutput:
         rid = seq.req.request_id
-        self._running.pop(rid, None)
-        self._free_slots.append(seq.slot)
+        if self._running.pop(rid, None) is not None:
+            self._free_slots.append(seq.slot)
         self.target.end_sequence(rid)
         for p in self.proposers.values():
             p.release(rid)
-        return self._output(seq, new or [], finished=True, reason=reason, error=error)
+        return self._output(seq, new or [], finished=True, reason=reason, error=error,
+                            kind=kind)
 
     # ---- convenience ----------------------------------------------------------------------
 

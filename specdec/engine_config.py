@@ -79,9 +79,15 @@ class RuntimeConfig(BaseModel):
     init_timeout_s: float = Field(300.0, gt=0)      # group start: actors, weights, NCCL/gloo
     step_timeout_s: float = Field(120.0, gt=0)      # one engine step on the group
     collective_timeout_s: float = Field(60.0, gt=0)  # a lost rank fails the step after this
-    draft_retry_s: float = Field(5.0, gt=0)          # how often a lost draft is rebuilt
+    draft_retry_s: float = Field(2.0, gt=0)          # how often a lost draft is rebuilt
+    # A replica whose loop makes no progress this long while it has work is unhealthy (Serve
+    # replaces it). Default: a step that times out plus a target rebuild, and a margin.
+    watchdog_s: float | None = Field(None, gt=0)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     gloo_socket_ifname: str | None = None            # e.g. "lo" on a single machine
+
+    def watchdog_limit_s(self) -> float:
+        return self.watchdog_s or self.step_timeout_s + self.init_timeout_s + 60.0
 
     @model_validator(mode="after")
     def _check(self) -> RuntimeConfig:
@@ -100,6 +106,8 @@ class PolicySettings(BaseModel):
     ngram_cost_ratio: float = Field(0.02, ge=0)
     collapse_rounds: int = Field(4, ge=1)
     collapse_alpha: float = Field(0.25, ge=0, le=1)
+    acceptance_half_life: float = Field(2000.0, ge=0)  # in trials; 0 = never forget
+    explore_share: float = Field(0.05, ge=0, le=1)     # speculate anyway on this share
 
 
 class EngineSpec(BaseModel):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 
 from specdec.engine_config import PolicySettings
 from specdec.policy import (
@@ -50,6 +51,9 @@ class EnginePolicy:
         self.draft_cost: float | None = None  # c as a moving average, for display/fallback
         self._step_seen = -1
         self._k_cache: dict[tuple, int] = {}
+        self._plain_decisions = 0
+        # Decisions come from the serving thread, observations from the engine's loop.
+        self._lock = threading.Lock()
 
     # ---- admission -------------------------------------------------------------------
 
@@ -57,6 +61,10 @@ class EnginePolicy:
               has_stop: bool, wanted: Overrides) -> Decision:
         """Plain or speculative, method and k for a request about to join this engine.
         load: Engine.load(); methods: the proposers available right now."""
+        with self._lock:
+            return self._admit(load, methods, prompt_tokens, max_tokens, has_stop, wanted)
+
+    def _admit(self, load, methods, prompt_tokens, max_tokens, has_stop, wanted) -> Decision:
         if wanted.method and wanted.method not in methods:
             raise EngineError(f"speculative.method {wanted.method!r} is not available "
                               f"(available: {methods})", param="speculative.method")
@@ -78,7 +86,18 @@ class EnginePolicy:
             d.reason, d.why = "request asked for speculation; " + d.reason, "request"
             return d
         expected = self.lengths.expected(prompt_tokens, max_tokens, has_stop)
-        return self._decide(methods, alpha, expected, lw, curves, wanted.method, wanted.k)
+        d = self._decide(methods, alpha, expected, lw, curves, wanted.method, wanted.k)
+        if d.why == "no_gain" and self.config.explore_share > 0:
+            self._plain_decisions += 1
+            if self._plain_decisions >= 1 / self.config.explore_share:
+                # Keep testing speculation now and then (a draft back from an outage, a
+                # workload that became predictable): the estimate learns only from trials.
+                self._plain_decisions = 0
+                method = max(methods, key=lambda m: alpha.get(m, 0.0))
+                e = self._decide([method], alpha, expected, lw, curves, method, 2)
+                e.reason, e.why = f"exploring: {d.reason}", "explore"
+                return e
+        return d
 
     def _decide(self, methods, alpha, expected, load, curves, method=None, k=None) -> Decision:
         config = self.config
@@ -99,6 +118,10 @@ class EnginePolicy:
         """k for a running request's next round. The method-level answer depends only on
         the step's load, so it is computed once per step; a request's own acceptance moves
         it only through a coarse bucket (and drops it to plain when it collapsed)."""
+        with self._lock:
+            return self._choose_k(engine, req, spec)
+
+    def _choose_k(self, engine, req, spec) -> int:
         if engine.steps != self._step_seen:
             self._step_seen, self._k_cache = engine.steps, {}
         own = spec.policy_trials
@@ -121,6 +144,10 @@ class EnginePolicy:
     # ---- observations ----------------------------------------------------------------
 
     def observe_step(self, rec) -> None:
+        with self._lock:
+            self._observe_step(rec)
+
+    def _observe_step(self, rec) -> None:
         self.step_cost.observe(rec.tokens, rec.step_s - rec.draft_s)
         self.draft_round_cost.observe(rec.draft_k, rec.draft_rows, rec.draft_model_s)
         if rec.draft_model_s and rec.draft_k:
@@ -131,6 +158,10 @@ class EnginePolicy:
             self.draft_cost = c if self.draft_cost is None else 0.9 * self.draft_cost + 0.1 * c
 
     def observe_finished(self, out) -> None:
+        with self._lock:
+            self._observe_finished(out)
+
+    def _observe_finished(self, out) -> None:
         self.lengths.observe(out.prompt_tokens, len(out.token_ids))
         if out.method != "none":
             s = out.spec
@@ -141,6 +172,10 @@ class EnginePolicy:
                                     s.accepted_per_position, drafted)
 
     def report(self, methods: list[str]) -> dict:
+        with self._lock:
+            return self._report(methods)
+
+    def _report(self, methods: list[str]) -> dict:
         return {
             "alpha": {m: self.acceptance.alpha(m) for m in methods},
             "acceptance_curve": {m: self.acceptance.curve(m, self.config.k_max)

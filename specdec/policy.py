@@ -32,31 +32,41 @@ class PolicyConfig:
     collapse_rounds: int = 4           # a request's own rounds before its alpha is trusted
     collapse_alpha: float = 0.25       # below this a request drops to plain
     length_buckets: tuple[int, ...] = (64, 256, 1024, 4096)
+    # Acceptance is a recent estimate: evidence halves in weight every this many trials,
+    # so a bad stretch (a changed workload) fades instead of ruling forever.
+    acceptance_half_life: float = 2000.0
+    # When the estimate says plain, still speculate on this share of requests: without
+    # trials the estimate could never learn that speculation pays again.
+    explore_share: float = 0.05
 
 
 class AcceptanceTracker:
     """Per-token acceptance alpha per method: every drafted position up to and including the
-    first rejection is one Bernoulli trial (later guesses were never tested)."""
+    first rejection is one Bernoulli trial (later guesses were never tested). Exponentially
+    decayed: older trials weigh less (half-life in trials, see PolicyConfig)."""
 
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
         self.trials: dict[str, float] = {}
         self.kept: dict[str, float] = {}
-        self.pos_drafted: dict[str, list[int]] = {}
-        self.pos_kept: dict[str, list[int]] = {}
+        self.pos_drafted: dict[str, list[float]] = {}
+        self.pos_kept: dict[str, list[float]] = {}
 
     def observe(self, method: str, accepted: int, rejections: int,
                 accepted_per_position: list[int] = (),
                 drafted_per_position: list[int] = ()) -> None:
         """accepted guesses and rounds that ended in a rejection (each one more trial); per
         position i, rounds that drafted a guess there and rounds that kept guesses 1..i."""
-        self.trials[method] = self.trials.get(method, 0.0) + accepted + rejections
-        self.kept[method] = self.kept.get(method, 0.0) + accepted
+        new_trials = accepted + rejections
+        keep = 0.5 ** (new_trials / self.config.acceptance_half_life) \
+            if self.config.acceptance_half_life else 1.0
+        self.trials[method] = keep * self.trials.get(method, 0.0) + new_trials
+        self.kept[method] = keep * self.kept.get(method, 0.0) + accepted
         for counts, new in ((self.pos_drafted.setdefault(method, []), drafted_per_position),
                             (self.pos_kept.setdefault(method, []), accepted_per_position)):
-            counts.extend([0] * (len(new) - len(counts)))
-            for i, n in enumerate(new):
-                counts[i] += n
+            counts.extend([0.0] * (len(new) - len(counts)))
+            for i in range(len(counts)):
+                counts[i] = keep * counts[i] + (new[i] if i < len(new) else 0)
 
     def curve(self, method: str, k_max: int) -> list[float]:
         """r_i, i = 1..k_max: the chance that a round keeps its first i guesses. Measured per

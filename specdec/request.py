@@ -38,6 +38,9 @@ class RequestOutput:
     error: str | None = None
     k: int = 0                       # the k used for the latest round
     method: Method = "none"
+    # Why an errored request failed: "target_lost" (the target group went away: retry) or
+    # "internal" (the step failed unexpectedly: a bug to report).
+    error_kind: str | None = None
 
 
 class EngineError(RuntimeError):
@@ -51,3 +54,8 @@ class EngineError(RuntimeError):
 
 class CapacityError(EngineError):
     pass
+
+
+class TargetLost(RuntimeError):
+    """The target runner lost its model (a rank died, a call timed out): every request it
+    held is gone; the runner rebuilds before it raises this."""

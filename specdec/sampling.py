@@ -11,6 +11,8 @@ import dataclasses
 
 import torch
 
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -23,14 +25,16 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        if not 0 <= self.temperature < float("inf"):  # NaN fails this too
+            raise ValueError("temperature must be a finite number >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in {SEED_MIN}..{SEED_MAX} (what a generator takes)")
 
     @property
     def greedy(self) -> bool:

@@ -21,7 +21,12 @@ class Detokenizer:
 
     def add(self, new_ids: list[int]) -> int | None:
         """Append tokens. If a stop string completes, cut the text before it and return how
-        many of new_ids to keep (the tokens up to the one that completed it); else None."""
+        many of new_ids to keep (the tokens up to the one that completed it); else None.
+
+        The result is what plain decoding of the same tokens gives, however many tokens a
+        round adds at once: plain decoding checks after every token, so the stop that ends
+        it is the first one complete after the fewest tokens, cut where it starts in that
+        text (with stops "abc" and "b", tokens a, b, c: "b" completes first, text "a")."""
         before = len(self.text)
         self.ids.extend(new_ids)
         self.text = self._decode(self.ids)
@@ -29,18 +34,17 @@ class Detokenizer:
             return None
         longest = max(len(s) for s in self.stop)
         start = max(0, before - longest + 1)
-        hit = self._find_stop(self.text, start)
-        if hit is None:
+        if self._find_stop(self.text, start) is None:
             return None
         base = len(self.ids) - len(new_ids)
-        keep = len(new_ids)
-        for j in range(1, len(new_ids) + 1):  # fewest new tokens whose text holds the stop
-            if self._find_stop(self._decode(self.ids[: base + j]), start) is not None:
-                keep = j
-                break
-        self.ids = self.ids[: base + keep]
-        self.text = self.text[:hit]
-        return keep
+        for keep in range(1, len(new_ids) + 1):  # fewest new tokens whose text holds a stop
+            text = self._decode(self.ids[: base + keep])
+            hit = self._find_stop(text, start)
+            if hit is not None:
+                self.ids = self.ids[: base + keep]
+                self.text = text[:hit]
+                return keep
+        raise AssertionError("a stop found in the whole text is found in some prefix")
 
     def _find_stop(self, text: str, start: int) -> int | None:
         found = [i for s in self.stop if (i := text.find(s, start)) >= 0]

@@ -29,8 +29,10 @@ def save_tiny_tokenizer(path: Path) -> None:
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
-                            pad_token="<pad>").save_pretrained(path)
+    t = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
+                                pad_token="<pad>")
+    t.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    t.save_pretrained(path)
 
 
 def make_tiny_checkpoint(path: Path, arch: str, **overrides) -> Path:

@@ -76,7 +76,7 @@ def test_collapsed_request_acceptance_drops_to_plain():
 
 
 def test_acceptance_tracker_counts_trials_up_to_the_first_rejection():
-    t = AcceptanceTracker(PolicyConfig(prior_weight=0.0))
+    t = AcceptanceTracker(PolicyConfig(prior_weight=0.0, acceptance_half_life=0))
     t.observe("draft", 2, 1)   # kept 2, third rejected: 3 trials
     t.observe("draft", 4, 0)   # all 4 kept: 4 trials
     assert abs(t.alpha("draft") - 6 / 7) < 1e-12
@@ -155,3 +155,48 @@ def test_decide_uses_the_measured_curve_over_the_iid_model():
                   curves={"draft": [0.8, 0.78, 0.77, 0.76, 0.75, 0.75]})
     assert steep.k == 2 < iid.k < flat.k == CFG.k_max
     assert steep.inputs["acceptance_curve"]["draft"][2] == 0.05
+
+
+def test_acceptance_is_a_recent_estimate():
+    t = AcceptanceTracker(PolicyConfig(prior_weight=0.0, acceptance_half_life=500))
+    for _ in range(500):
+        t.observe("draft", 0, 1)          # a bad stretch: every first guess rejected
+    assert t.alpha("draft") < 0.01
+    for _ in range(300):
+        t.observe("draft", 4, 1)          # then 4 of 5 tested guesses kept
+    assert t.alpha("draft") > 0.7         # the bad stretch has faded (no decay: 0.60)
+    never = AcceptanceTracker(PolicyConfig(prior_weight=0.0, acceptance_half_life=0))
+    for _ in range(500):
+        never.observe("draft", 0, 1)
+    for _ in range(300):
+        never.observe("draft", 4, 1)
+    assert abs(never.alpha("draft") - 1200 / 2000) < 1e-9
+
+
+def test_after_an_outage_the_policy_explores_and_speculates_again():
+    """An outage that was counted as failures (or a bad stretch) drives the estimate to
+    'plain'; a share of requests still speculates, their good rounds restore the estimate,
+    and the policy speculates on every request again."""
+    from specdec.engine_config import PolicySettings
+    from specdec.engine_policy import EnginePolicy, Overrides
+    from specdec.metrics import SpecCounters
+    from specdec.request import RequestOutput
+
+    policy = EnginePolicy(PolicySettings(acceptance_half_life=400, explore_share=0.1))
+    load = {"running": 0, "waiting": 0}
+
+    def finish(kept_per_round: int, rounds: int) -> None:
+        spec = SpecCounters()
+        for _ in range(rounds):
+            spec.record_round(4, kept_per_round, kept_per_round + 1)
+        policy.observe_finished(RequestOutput("r", [], "", [1] * 50, "", True, "length", 10,
+                                              spec, method="draft"))
+
+    for _ in range(40):
+        finish(0, 10)                     # nothing kept
+    modes = [policy.admit(load, ["draft"], 10, 200, False, Overrides()).mode for _ in range(40)]
+    assert modes.count("speculative") == 4 and modes.count("plain") == 36  # 10% explore
+    for _ in range(30):                   # the explored requests find the draft works again
+        finish(4, 10)
+    d = policy.admit(load, ["draft"], 10, 200, False, Overrides())
+    assert d.mode == "speculative" and d.why == "goodput", d.reason

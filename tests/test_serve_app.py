@@ -258,11 +258,16 @@ def test_lost_target_gives_503_then_serves_again(server):
         assert time.monotonic() < deadline
         time.sleep(0.1)
     ray.kill(ray.get_actor(latest, namespace=ns), no_restart=True)
+    killed_at = time.monotonic()
     t.join(timeout=200)
+    ended_s = time.monotonic() - killed_at
     r = box["r"]
     assert r.status_code == 503, r.text
-    assert r.json()["error"]["code"] == "engine_unavailable"
+    assert r.json()["error"]["code"] == "engine_unavailable" and r.headers["retry-after"]
+    assert ended_s < 30, f"the request took {ended_s:.1f}s to fail"
     assert complete(client, prompt="back again?", max_tokens=4).status_code == 200
+    print(f"\ntarget shard {latest} killed mid-request: 503 after {ended_s:.1f}s, serving "
+          f"again {time.monotonic() - killed_at:.1f}s after the kill")
 
 
 def scrape(port: int) -> dict[tuple[str, frozenset], float]:

@@ -1,0 +1,194 @@
+"""Hostile and odd input over HTTP: every malformed request gets the right 4xx naming the
+field (OpenAI-shaped), odd but legal input gets a normal answer, nothing gets a 5xx, and
+the service answers a normal request afterwards. With an API key configured, /v1 routes
+need it and /health tells strangers only ok / not ok. The API is fuzzed from its published
+OpenAPI schema."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+from serve_helpers import serve_app, tiny_app_args
+
+from deployments.launch import local_ray
+
+pytestmark = pytest.mark.integration
+
+KEY = "sk-test-0123456789"
+AUTH = {"authorization": f"Bearer {KEY}"}
+C, CH = "/v1/completions", "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def base(tiny_llama, tiny_llama_draft):
+    with local_ray(num_cpus=4):
+        with serve_app(tiny_app_args(tiny_llama, tiny_llama_draft, api_key=KEY)) as url:
+            yield url
+
+
+def nested(depth: int) -> str:
+    return '{"model": "tiny", "prompt": "w5", "x": ' + "[" * depth + "]" * depth + "}"
+
+
+ok = {"model": "tiny", "prompt": "w5 w6 w7", "max_tokens": 4}
+chat = {"model": "tiny", "messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 4}
+
+# (name, route, body (dict, or raw str/bytes), expected status, param named or None)
+CASES = [
+    ("invalid JSON", C, "{not json", 400, None),
+    ("body is an array", C, "[1, 2]", 400, None),
+    ("body is a string", C, '"hello"', 400, None),
+    ("empty body", C, "", 400, None),
+    ("model missing", C, {"prompt": "w5"}, 400, "model"),
+    ("model wrong type", C, {**ok, "model": 123}, 400, "model"),
+    ("unknown model", C, {**ok, "model": "gpt-9"}, 404, "model"),
+    ("prompt missing", C, {"model": "tiny"}, 400, "prompt"),
+    ("prompt a number", C, {**ok, "prompt": 5}, 400, "prompt"),
+    ("prompt empty list", C, {**ok, "prompt": []}, 400, "prompt"),
+    ("two prompts", C, {**ok, "prompt": ["w5", "w6"]}, 400, "prompt"),
+    ("token ids", C, {**ok, "prompt": [5, 6, 7]}, 200, None),
+    ("token id beyond vocab", C, {**ok, "prompt": [5, 99999]}, 400, "prompt"),
+    ("negative token id", C, {**ok, "prompt": [-1, 5]}, 400, "prompt"),
+    ("nested token lists", C, {**ok, "prompt": [[5, 6]]}, 400, "prompt"),
+    ("max_tokens a word", C, {**ok, "max_tokens": "many"}, 400, "max_tokens"),
+    ("max_tokens negative", C, {**ok, "max_tokens": -5}, 400, "max_tokens"),
+    ("max_tokens zero", C, {**ok, "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens 1e30", C, {**ok, "max_tokens": 1e30}, 400, "max_tokens"),
+    ("max_tokens beyond context", C, {**ok, "max_tokens": 10_000}, 400, "max_tokens"),
+    ("temperature a word", C, {**ok, "temperature": "hot"}, 400, "temperature"),
+    ("temperature NaN", C, '{"model": "tiny", "prompt": "w5", "temperature": NaN}', 400,
+     "temperature"),
+    ("temperature Infinity", C, '{"model": "tiny", "prompt": "w5", "temperature": Infinity}',
+     400, "temperature"),
+    ("temperature negative", C, {**ok, "temperature": -1}, 400, "temperature"),
+    ("top_p zero", C, {**ok, "top_p": 0}, 400, "top_p"),
+    ("top_p above 1", C, {**ok, "top_p": 1.5}, 400, "top_p"),
+    ("top_k negative", C, {**ok, "top_k": -1}, 400, "top_k"),
+    ("seed 2**70", C, {**ok, "seed": 2**70}, 400, "seed"),
+    ("seed negative (legal)", C, {**ok, "seed": -1, "temperature": 0.8}, 200, None),
+    ("seed a word", C, {**ok, "seed": "abc"}, 400, "seed"),
+    ("five stop strings", C, {**ok, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("empty stop string", C, {**ok, "stop": [""]}, 400, "stop"),
+    ("stop a number", C, {**ok, "stop": 123}, 400, "stop"),
+    ("n 2", C, {**ok, "n": 2}, 400, "n"),
+    ("stream a list", C, {**ok, "stream": [1]}, 400, "stream"),
+    ("logprobs", C, {**ok, "logprobs": 3}, 400, None),
+    ("best_of", C, {**ok, "best_of": 2}, 400, None),
+    ("logit_bias", C, {**ok, "logit_bias": {"5": 10}}, 400, None),
+    ("echo", C, {**ok, "echo": True}, 400, None),
+    ("unknown field (ignored)", C, {**ok, "foo": {"bar": 1}}, 200, None),
+    ("speculative.mode unknown", C, {**ok, "speculative": {"mode": "sometimes"}}, 400,
+     "speculative.mode"),
+    ("speculative.k 99", C, {**ok, "speculative": {"k": 99}}, 400, "speculative.k"),
+    ("speculative unknown key", C, {**ok, "speculative": {"depth": 3}}, 400,
+     "speculative.depth"),
+    ("NUL bytes (legal)", C, {**ok, "prompt": "w5\u0000w6"}, 200, None),
+    ("lone surrogate", C, '{"model": "tiny", "prompt": "w5 \\ud800"}', 400, "prompt"),
+    ("lone surrogate in stop", C, '{"model": "tiny", "prompt": "w5", "stop": ["\\udfff"]}',
+     400, "stop"),
+    ("10 MB body", C, json.dumps({**ok, "prompt": "w5 " * 3_500_000}), 413, None),
+    ("100000 nested brackets", C, nested(100_000), 400, None),
+    ("prompt beyond context", C, {**ok, "prompt": "w5 " * 300}, 400, "prompt"),
+    ("messages empty", CH, {**chat, "messages": []}, 400, "messages"),
+    ("message without content", CH, {**chat, "messages": [{"role": "user"}]}, 400,
+     "messages.0.content"),
+    ("image content part", CH, {**chat, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "w5"},
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400,
+     "messages.0.content"),
+    ("text content parts", CH, {**chat, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "w5"}, {"type": "text", "text": "w6"}]}]}, 200, None),
+    ("unknown role", CH, {**chat, "messages": [{"role": "wizard", "content": "w5"}]}, 400,
+     "messages.0.role"),
+    ("thousands of messages", CH, {**chat, "messages": [{"role": "user", "content": "w5"}]
+                                   * 3000}, 400, "messages"),
+    ("tools", CH, {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     None),
+    ("stream_options wrong type", C, {**ok, "stream": True, "stream_options": "yes"}, 400,
+     "stream_options"),
+    ("max_completion_tokens (legal)", CH, {**chat, "max_completion_tokens": 3}, 200, None),
+]
+
+
+def send(client: httpx.Client, route: str, body, headers=AUTH) -> httpx.Response:
+    if isinstance(body, (str, bytes)):
+        return client.post(route, content=body,
+                           headers={**headers, "content-type": "application/json"})
+    return client.post(route, json=body, headers=headers)
+
+
+@pytest.mark.parametrize("name,route,body,status,param", CASES, ids=[c[0] for c in CASES])
+def test_malformed_and_odd_requests(base, name, route, body, status, param):
+    with httpx.Client(base_url=base, timeout=60) as client:
+        r = send(client, route, body)
+        assert r.status_code == status, (name, r.status_code, r.text[:300])
+        if status != 200:
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"]
+            if param:
+                assert err["param"] == param, err
+                assert param.split(".")[0] in err["message"], err
+        # The service answers a normal request right after.
+        assert send(client, C, ok).status_code == 200
+
+
+def test_table_covers_at_least_forty_cases():
+    assert len(CASES) >= 40
+
+
+def test_other_methods_routes_and_content_types_are_refused_openai_style(base):
+    with httpx.Client(base_url=base, timeout=60) as client:
+        for r, status in ((client.get(C, headers=AUTH), 405),
+                          (client.post("/v1/nothing", json=ok, headers=AUTH), 404),
+                          (client.post(C, content=b"model=tiny", headers={
+                              **AUTH, "content-type": "application/x-www-form-urlencoded"}), 400),
+                          (client.post(C, content=b"\xff\xfe\x00", headers={
+                              **AUTH, "content-type": "application/json"}), 400)):
+            assert r.status_code == status, r.text
+            assert r.json()["error"]["message"]
+
+
+def test_api_key_guards_v1_and_health_says_little_without_it(base):
+    with httpx.Client(base_url=base, timeout=60) as client:
+        for headers in ({}, {"authorization": "Bearer wrong-key-123"},
+                        {"authorization": KEY}):
+            for r in (client.post(C, json=ok, headers=headers),
+                      client.post(CH, json=chat, headers=headers),
+                      client.get("/v1/models", headers=headers)):
+                assert r.status_code == 401, r.text
+                assert r.json()["error"]["code"] == "invalid_api_key"
+        assert client.get("/health").json() == {"status": "ok"}
+        detailed = client.get("/health", headers=AUTH).json()
+        assert detailed["status"] == "ok" and "engine" in detailed
+        assert client.get("/v1/models", headers=AUTH).json()["data"][0]["id"] == "tiny"
+
+
+def test_openapi_publishes_the_request_and_response_models(base):
+    spec = httpx.get(f"{base}/openapi.json", timeout=30).json()
+    for route, model in ((C, "CompletionRequest"), (CH, "ChatCompletionRequest")):
+        body = spec["paths"][route]["post"]["requestBody"]["content"]["application/json"]
+        assert body["schema"]["$ref"].endswith(model)
+    schemas = spec["components"]["schemas"]
+    assert {"CompletionResponse", "ChatCompletionResponse", "ErrorResponse"} <= set(schemas)
+    assert "seed" in schemas["CompletionRequest"]["properties"]
+
+
+def test_fuzzing_from_the_schema_finds_no_server_error(base):
+    """At least 200 generated cases per operation, valid and invalid: no 5xx, no dropped
+    connection (schemathesis counts both as failures)."""
+    exe = str(sys.prefix) + "/bin/schemathesis"
+    run = subprocess.run(
+        [exe, "run", f"{base}/openapi.json", "--checks", "not_a_server_error",
+         "--max-examples", "200", "--mode", "all", "-H", f"Authorization: Bearer {KEY}",
+         "--include-path-regex", "^/v1/", "--request-timeout", "60",
+         "--no-color", "--suppress-health-check", "all"],
+        capture_output=True, text=True, timeout=1500)
+    out = run.stdout + run.stderr
+    print(out[-3000:])
+    assert run.returncode == 0, out[-4000:]
+    with httpx.Client(base_url=base, timeout=60) as client:
+        assert send(client, C, ok).status_code == 200
