@@ -19,7 +19,7 @@ class ModelNotFound(RuntimeError):
 def resolve(ref: str, fetch_missing: bool = False) -> Path:
     if ref in pack.PACK:
         if pack.is_fetched(ref):
-            return pack.checkpoint_dir(ref)
+            return pack.verify(ref)
         if fetch_missing:
             return pack.fetch(ref)
         raise ModelNotFound(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -87,8 +88,50 @@ def checkpoint_dir(name: str) -> Path:
     return cache_dir() / "models" / name
 
 
+def _manifest(name: str) -> dict | None:
+    """The completion marker: the GGUF hash and the sha256 of every converted file (a
+    checkpoint converted without one is converted again)."""
+    try:
+        doc = json.loads((checkpoint_dir(name) / _DONE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("files"), dict) else None
+
+
 def is_fetched(name: str) -> bool:
-    return (checkpoint_dir(name) / _DONE_MARKER).exists()
+    return _manifest(name) is not None
+
+
+def _file_hashes(root: Path) -> dict[str, str]:
+    out = {}
+    for f in sorted(root.iterdir()):
+        if f.is_file() and f.name != _DONE_MARKER:
+            with open(f, "rb") as fh:
+                out[f.name] = hashlib.file_digest(fh, "sha256").hexdigest()
+    return out
+
+
+_VERIFIED: set[str] = set()
+
+
+def verify(name: str) -> Path:
+    """Check the converted checkpoint against the hashes recorded when it was made, once per
+    process, before anything loads it: a file changed on disk since is refused."""
+    dest = checkpoint_dir(name)
+    if name in _VERIFIED:
+        return dest
+    manifest = _manifest(name)
+    if manifest is None:
+        raise PackError(f"{name} is not fetched; run `specdec models fetch {name}`")
+    got = _file_hashes(dest)
+    if got != manifest["files"]:
+        changed = sorted(f for f in set(got) | set(manifest["files"])
+                         if got.get(f) != manifest["files"].get(f))
+        raise PackError(f"{name}: {', '.join(changed)} in {dest} changed since the pack was "
+                        f"verified and converted; refusing to load it. Run `specdec models "
+                        f"fetch {name} --force`")
+    _VERIFIED.add(name)
+    return dest
 
 
 def expand(names: list[str]) -> list[str]:
@@ -199,7 +242,8 @@ def fetch(name: str, log: Callable[[str], None] = print, force: bool = False) ->
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         convert_gguf(gguf, staging, log)
-        (staging / _DONE_MARKER).write_text(model.sha256 + "\n")
+        (staging / _DONE_MARKER).write_text(json.dumps(
+            {"gguf_sha256": model.sha256, "files": _file_hashes(staging)}, indent=1))
         shutil.rmtree(dest, ignore_errors=True)
         staging.replace(dest)
         log(f"{name}: ready at {dest}")

@@ -96,3 +96,31 @@ def test_model_references(tmp_path, tiny_llama, cache):
     (tmp_path / "empty").mkdir()
     with pytest.raises(hub.ModelNotFound, match="no config.json"):
         hub.resolve(str(tmp_path / "empty"))
+
+
+def test_a_converted_checkpoint_changed_on_disk_is_refused(tmp_path, cache, tiny_llama):
+    """The pack's hashes are checked before use, not only at download: a converted file
+    that changed since (a swapped tensor, a truncated file) is refused by name."""
+    import shutil
+
+    from specdec import hub
+
+    dest = pack.checkpoint_dir("fake")
+    shutil.copytree(tiny_llama, dest)
+    (dest / pack._DONE_MARKER).write_text(
+        __import__("json").dumps({"gguf_sha256": "0" * 64, "files": pack._file_hashes(dest)}))
+    pack.PACK["fake"] = pack.PackModel("fake", "test", (), sha256="0" * 64)
+    try:
+        assert hub.resolve("fake") == dest            # intact: loads
+        pack._VERIFIED.discard("fake")
+        weights = dest / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= 1                                 # one bit of one weight
+        weights.write_bytes(bytes(data))
+        with pytest.raises(pack.PackError, match=r"model\.safetensors .* refusing to load"):
+            hub.resolve("fake")
+        (dest / pack._DONE_MARKER).write_text("cc324af0\n")  # an old marker: not fetched
+        assert not pack.is_fetched("fake")
+    finally:
+        del pack.PACK["fake"]
+        pack._VERIFIED.discard("fake")

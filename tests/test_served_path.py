@@ -135,3 +135,16 @@ def test_bad_configs_fail_at_start_naming_the_field(tiny_llama, tiny_llama_draft
     with pytest.raises(Exception, match=r"draft\.threads: 999 threads per rank"):
         with ray_engine(huge):
             pass
+
+
+def test_an_error_raised_in_a_shard_fails_its_step_not_the_group(ray_local, tiny_llama,
+                                                                  tiny_llama_draft):
+    """A request the API would refuse (a token id beyond the vocabulary) sent straight to
+    the engine raises inside the target shard: its step fails with the reason, the group is
+    NOT torn down and rebuilt (only a lost shard is), and the next request is served."""
+    with ray_engine(tiny_spec(tiny_llama, tiny_llama_draft)) as built:
+        bad = built.engine.run([Request("bad", [5, 5000], SamplingParams(max_tokens=4))])["bad"]
+        assert bad.finish_reason == "error" and bad.error_kind == "internal", bad.error
+        assert built.target.group.generation == 1 and built.target.failures == 0
+        good = built.engine.run([Request("good", [5, 6], SamplingParams(max_tokens=4))])
+        assert good["good"].finish_reason == "length"
