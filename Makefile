@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
 STAMP := $(VENV)/.installed
 
-.PHONY: install models serve test test-fast lint bench clean
+.PHONY: install models serve test test-fast lint bench clean prometheus
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,8 +34,13 @@ serve: install
 lint: install
 	$(BIN)/ruff check specdec deployments tests
 
+# A real Prometheus for the dashboard test (Debian's package; the service is not started).
+prometheus:
+	@command -v prometheus >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+
 # The whole suite, as CI runs it: unit, real-model and integration tests.
-test: models lint
+test: models lint prometheus
 	$(BIN)/python -m pytest -q -ra
 
 # Inner loop: tiny fixture models only (seconds).

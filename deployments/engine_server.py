@@ -46,12 +46,16 @@ class EngineServer:
     # ---- the batching loop (its own thread) ------------------------------------------------
 
     def _loop(self) -> None:
+        was_busy = False
         while not self._stop:
             self.watchdog.beat()
             if not self.engine.has_work():
+                self._publish_gauges(force=was_busy)  # idle: running back to 0 at once
+                was_busy = False
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
+            was_busy = True
             before = self.engine.steps
             try:
                 self.engine.step()  # outputs reach _deliver through each request's callback
@@ -62,7 +66,13 @@ class EngineServer:
                 rec = self.engine.history[-1]
                 self.policy.observe_step(rec)
                 self.metrics.step(rec)
-            self.metrics.policy_inputs(self.policy, self.built.methods())
+            self._publish_gauges()
+
+    def _publish_gauges(self, force: bool = False) -> None:
+        draft = self.built.draft
+        self.metrics.gauges(self.engine.load(), getattr(draft, "available", None)
+                            if draft is not None else None, self.policy, self.built.methods(),
+                            force)
 
     def _deliver(self, out) -> None:
         if out.finished:
@@ -107,9 +117,11 @@ class EngineServer:
                 req, decision = self.built.submit(rid, payload["prompt_ids"], params, wanted,
                                                   self._deliver)
             except CapacityError as exc:
+                self.metrics.refused("capacity")
                 yield {"error": str(exc), "error_kind": "capacity", "finished": True}
                 return
             except EngineError as exc:
+                self.metrics.refused("invalid")
                 yield {"error": str(exc), "error_kind": "invalid", "finished": True,
                        "param": exc.param}
                 return

@@ -52,14 +52,24 @@ RETRY_AFTER_S = "2"
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
 
 
+_metrics: RouterMetrics | None = None  # this replica's, set when it starts
+
+
+def _count(status: int, code: str | None = None) -> None:
+    if _metrics is not None:
+        _metrics.error(status, code)
+
+
 @api.exception_handler(APIError)
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    _count(exc.status, exc.code)
     return exc.response()
 
 
 @api.exception_handler(RequestValidationError)
 async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
     msg, param = validation_message(exc.errors())
+    _count(400, "invalid_request")
     return error_response(400, msg, param=param)
 
 
@@ -67,6 +77,7 @@ async def _invalid(request: Request, exc: RequestValidationError) -> JSONRespons
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     # Route not found, method not allowed, body too large or unparsable: OpenAI-shaped too.
     detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+    _count(exc.status_code)
     if exc.status_code == 400 and "parsing the body" in detail:
         detail = "request body could not be parsed as JSON (malformed, or nested too deeply)"
     return error_response(exc.status_code, detail,
@@ -77,6 +88,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 @api.exception_handler(Exception)
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error")
+    _count(500, "server_error")
     return error_response(500, "internal error; see the server log", "server_error")
 
 
@@ -88,6 +100,8 @@ class RouterServer:
         self.tokenizer = load_tokenizer(resolve(self.args.target.model))
         self.max_len = self.args.runtime.max_len
         self.metrics = RouterMetrics()
+        global _metrics
+        _metrics = self.metrics
         self.api_key = os.environ.get("SPECDEC_API_KEY") or self.args.api_key
         # One thread: tokenizers are not safe to share across threads, and the point is
         # only to keep the event loop free.
@@ -286,6 +300,8 @@ class RouterServer:
 
 
 def _err(exc: APIError) -> dict:
+    """An error reported inside a stream (the status line is already sent)."""
+    _count(exc.status, exc.code)
     return exc.body()
 
 

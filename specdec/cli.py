@@ -72,6 +72,54 @@ def _bench_serve(args) -> int:
     return bench_serve(args)
 
 
+def _grafana_dashboard(args) -> int:
+    from deployments.dashboard import render  # the builder lives with the deployments
+
+    text = render()
+    if args.out == "-":
+        sys.stdout.write(text)
+    else:
+        with open(args.out, "w") as f:
+            f.write(text)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _grafana_provision(args) -> int:
+    from deployments.grafana_provision import ProvisionError, provision
+
+    if args.token:
+        credential = args.token
+    elif args.user and args.password:
+        credential = (args.user, args.password)
+    else:
+        print("error: give --token TOKEN, or --user USER and --password PASSWORD",
+              file=sys.stderr)
+        return 2
+    try:
+        r = provision(args.url, credential, args.prometheus_url, args.folder)
+    except ProvisionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"data source: {r.datasource}; folder: {r.folder}; dashboard: {r.dashboard}")
+    print(f"dashboard at {r.url}")
+    return 0
+
+
+def _cluster_rayservice(args) -> int:
+    from pathlib import Path
+
+    from deployments.rayservice import render
+
+    text = render(Path(args.config))
+    if args.out == "-":
+        sys.stdout.write(text)
+    else:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -118,6 +166,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight format (auto: the fastest on this machine)")
     g.add_argument("--json", action="store_true", help="print a JSON record instead of text")
     g.set_defaults(func=_generate)
+
+    clu = sub.add_parser("cluster", help="cluster manifests").add_subparsers(
+        dest="cluster_cmd", required=True)
+    c_rs = clu.add_parser("rayservice", help="the KubeRay RayService, from the GPU app config")
+    c_rs.add_argument("--config", default="serve_config.gpu.yaml")
+    c_rs.add_argument("--out", default="cluster/rayservice.yaml", help="path, or -")
+    c_rs.set_defaults(func=_cluster_rayservice)
+
+    graf = sub.add_parser("grafana", help="the Grafana dashboard").add_subparsers(
+        dest="grafana_cmd", required=True)
+    g_dash = graf.add_parser("dashboard", help="write the dashboard JSON built in code")
+    g_dash.add_argument("--out", default="cluster/grafana/specdec-dashboard.json",
+                        help="path, or - for standard output")
+    g_dash.set_defaults(func=_grafana_dashboard)
+    g_prov = graf.add_parser("provision", help="create or update the Prometheus data source "
+                                               "and the dashboard in a Grafana (idempotent)")
+    g_prov.add_argument("--url", required=True, help="Grafana's base URL")
+    g_prov.add_argument("--token", default=None, help="a service account token")
+    g_prov.add_argument("--user", default=None)
+    g_prov.add_argument("--password", default=None)
+    g_prov.add_argument("--prometheus-url", default="http://127.0.0.1:9090",
+                        help="where Grafana reaches the Prometheus that scrapes Ray")
+    g_prov.add_argument("--folder", default="specdec")
+    g_prov.set_defaults(func=_grafana_provision)
 
     bench = sub.add_parser("bench", help="benchmarks that print tables").add_subparsers(
         dest="bench_cmd", required=True)
