@@ -110,10 +110,19 @@ class LocalBackend:
     def _threads(self, spec: EngineSpec) -> None:
         if self.device != "cpu":
             return
-        wanted = [check_threads("target", spec.target)]
+        target = check_threads("target", spec.target)
+        wanted = [target]
         if spec.draft is not None:
-            wanted.append(check_threads("draft", spec.draft))
-        torch.set_num_threads(max(wanted))
+            draft = check_threads("draft", spec.draft)
+            wanted.append(draft)
+            cores = os.cpu_count() or 1
+            if spec.overlap != "off" and target + draft > cores:
+                raise ConfigError(f"overlap: target.threads ({target}) + draft.threads "
+                                  f"({draft}) exceed this machine's {cores} cores; they "
+                                  "compute at the same time in overlap")
+        # Sequentially the two models take turns on one thread pool; with overlap the draft
+        # computes on its own thread (see overlap.ThreadWindow) and this one is the target's.
+        torch.set_num_threads(target if spec.overlap != "off" else max(wanted))
 
     def target(self, spec: EngineSpec, path: Path) -> TargetRunner:
         if spec.target.tp != 1:
@@ -126,9 +135,12 @@ class LocalBackend:
     def draft(self, spec: EngineSpec, path: Path) -> Proposer:
         d = spec.draft
         model = Decoder.from_checkpoint(path, d.dtype, self.device)
-        return DraftModelProposer(model, spec.runtime.max_slots, spec.runtime.max_len,
-                                  d.sampling, d.vocab_limit, d.confidence_threshold,
-                                  d.q_top_m)
+        proposer = DraftModelProposer(model, spec.runtime.max_slots, spec.runtime.max_len,
+                                      d.sampling, d.vocab_limit, d.confidence_threshold,
+                                      d.q_top_m)
+        if self.device == "cpu":
+            proposer.window_threads = check_threads("draft", d)
+        return proposer
 
     def close(self) -> None:
         pass
@@ -197,7 +209,7 @@ def assemble(spec: EngineSpec, backend: Backend) -> AssembledEngine:
         engine = Engine(target, proposers, tok, eos_ids_of(target_path, tok),
                         EngineConfig(max_tokens_per_step=spec.max_tokens_per_step,
                                      max_waiting=spec.max_waiting),
-                        choose_k=policy.choose_k)
+                        choose_k=policy.choose_k, overlap=spec.overlap)
         built = AssembledEngine(engine, tok, spec, policy, backend, target_path)
         if spec.warmup:
             warm_up(engine)

@@ -17,10 +17,11 @@ import time
 from collections.abc import Callable, Iterable
 
 from specdec.metrics import SpecCounters
-from specdec.proposers import ProposeInput, Proposer
+from specdec.overlap import OverlapChooser
+from specdec.proposers import Proposal, ProposeInput, Proposer
 from specdec.request import CapacityError, EngineError, Request, RequestOutput, TargetLost
 from specdec.stop import Detokenizer
-from specdec.target_runner import TargetResult, TargetRow, TargetRunner
+from specdec.target_runner import Head, TargetResult, TargetRow, TargetRunner
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,10 @@ class StepRecord:
     draft_bytes: int = 0    # bytes crossing to and from the draft (0 in-process)
     target_bytes: int = 0
     end: float = 0.0        # time.perf_counter() at the step's end
+    mean_k: float = 0.0     # guesses per drafting row this step (the k the policy chose)
+    overlapped: bool = False  # the draft worked during the target's step (overlap)
+    resolve_s: float = 0.0  # overlap: settling the deferred positions after both finished
+    emitted: int = 0        # tokens the step's decode rows emitted
 
 
 @dataclasses.dataclass
@@ -70,6 +75,11 @@ class _Seq:
     spec: SpecCounters = dataclasses.field(default_factory=SpecCounters)
     k_now: int = 0
     finished: bool = False
+    admitted: float = 0.0            # time.monotonic() when it got a slot
+    first_token: float | None = None
+    # Overlap: guesses the draft made during the last step, valid for the current context
+    # (their head was kept), to be verified in this step.
+    ahead: Proposal | None = None
 
     @property
     def generated(self) -> int:
@@ -82,7 +92,10 @@ KChooser = Callable[["Engine", Request, SpecCounters, int], int]
 class Engine:
     def __init__(self, target: TargetRunner, proposers: dict[str, Proposer] | None = None,
                  tokenizer=None, eos_ids: Iterable[int] = (),
-                 config: EngineConfig | None = None, choose_k: KChooser | None = None) -> None:
+                 config: EngineConfig | None = None, choose_k: KChooser | None = None,
+                 overlap: str = "off") -> None:
+        if overlap not in ("off", "on", "auto"):
+            raise ValueError("overlap must be off, on or auto")
         self.target = target
         self.proposers = dict(proposers or {})
         self.tokenizer = tokenizer
@@ -98,6 +111,10 @@ class Engine:
         self.totals: dict[str, SpecCounters] = collections.defaultdict(SpecCounters)
         self.history: collections.deque[StepRecord] = collections.deque(maxlen=256)
         self.steps = 0
+        # Drafting overlapped with verification (specdec/overlap.py): off, on, or auto
+        # (measured both ways, the faster kept).
+        self.overlap = overlap
+        self.overlap_chooser = OverlapChooser() if overlap == "auto" else None
 
     # ---- submission (thread-safe) -------------------------------------------------------
 
@@ -115,6 +132,7 @@ class Engine:
         with self._lock:
             if len(self._waiting) >= self.config.max_waiting:
                 raise CapacityError(f"queue full ({self.config.max_waiting} waiting requests)")
+            req.arrival = time.monotonic()
             self._waiting.append(req)
 
     def abort(self, request_id: str) -> None:
@@ -170,20 +188,49 @@ class Engine:
                 if seq.slot not in self._free_slots:
                     self._free_slots.append(seq.slot)
 
+    def _use_overlap(self) -> bool:
+        proposer = self.proposers.get("draft")
+        if self.overlap == "off" or proposer is None or \
+                not hasattr(proposer, "start_window") or not hasattr(self.target, "resolve"):
+            return False
+        if self.overlap_chooser is not None:
+            return self.overlap_chooser.use_overlap()
+        return True
+
     def _step(self, outputs: list[RequestOutput]) -> None:
         t_start = time.perf_counter()
         rec = StepRecord(0, 0, 0.0, 0.0)
-        rows, num_draft = self._plan(rec)
+        rec.overlapped = self._use_overlap()
+        rows, num_draft, windows = self._plan(rec)
         t0 = time.perf_counter()
-        results = self.target.step(rows)
+        window = None
+        if windows:  # the draft starts now and works while the target verifies
+            try:
+                window = self.proposers["draft"].start_window(windows)
+            except Exception:  # noqa: BLE001 - a lost draft: the rows go plain this step
+                log.exception("draft window failed to start")
+        try:
+            results = self.target.step(rows)
+        except BaseException:
+            if window is not None:  # never leave the draft computing into the next step
+                window.stop()
+                try:
+                    window.result()
+                except Exception:  # noqa: BLE001 - the step's failure is what matters
+                    pass
+            raise
         t1 = time.perf_counter()
         rec.verify_s = t1 - t0
+        resolved, heads, window_out = self._settle(window, windows, results, rec)
+        t2 = time.perf_counter()
         call = getattr(self.target, "last_call", None)
         rec.target_compute_s = call.compute_s if call else rec.verify_s
         rec.target_bytes = call.bytes if call else 0
         rec.rows, rec.tokens = len(rows), sum(len(r.tokens) for r in rows)
         rec.prefill_tokens = sum(len(r.tokens) for r in rows if r.seq_id not in num_draft)
         rec.max_k = max(num_draft.values(), default=0)
+        drafted = [n for n in num_draft.values() if n]
+        rec.mean_k = sum(drafted) / len(drafted) if drafted else 0.0
         self.steps += 1
         by_id = {r.seq_id: r for r in results}
         for row in rows:
@@ -194,10 +241,64 @@ class Engine:
             if num_draft.get(row.seq_id, 0):
                 seq.spec.draft_s += rec.draft_s
             seq.spec.verify_s += rec.verify_s
-            outputs.append(self._advance(seq, row, by_id[row.seq_id]))
+            res = by_id[row.seq_id]
+            extra = None
+            if res.deferred:  # overlap: the settled next token, and the draft's head
+                r = resolved[row.seq_id]
+                extra = (r.token, heads.get(row.seq_id) is not None, r.accepted)
+                prop = window_out.get(row.seq_id)
+                seq.ahead = Proposal(prop.token_ids[1:],
+                                     None if prop.q_ids is None else prop.q_ids[1:],
+                                     None if prop.q_probs is None else prop.q_probs[1:]) \
+                    if r.accepted and prop is not None and len(prop.token_ids) > 1 else None
+            else:
+                seq.ahead = None
+            rec.emitted += len(res.tokens) + (1 if extra else 0)
+            outputs.append(self._advance(seq, row, res, extra))
         rec.end = time.perf_counter()
-        rec.post_s, rec.step_s = rec.end - t1, rec.end - t_start
+        rec.post_s, rec.step_s = rec.end - t2, rec.end - t_start
         self.history.append(rec)
+        if self.overlap_chooser is not None and (windows or rec.draft_rows):
+            self.overlap_chooser.observe(rec.overlapped, rec.step_s, rec.emitted)
+
+    def _settle(self, window, windows: list[ProposeInput], results: list[TargetResult],
+                rec: StepRecord):
+        """Overlap: stop the draft, take its guesses, settle each deferred position against
+        its row's head guess. Returns (resolved, heads, window proposals by row)."""
+        if not windows:
+            return {}, {}, {}
+        t0 = time.perf_counter()
+        proposals: dict[str, Proposal] = {}
+        if window is not None:
+            window.stop()
+            try:
+                got = window.result()
+                proposals = {i.seq_id: p for i, p in zip(windows, got, strict=False)}
+            except Exception:  # noqa: BLE001 - a lost draft: plain draws this step
+                log.exception("draft window failed; settling plainly")
+            call = getattr(self.proposers["draft"], "last_call", None)
+            if call is not None:
+                rec.draft_compute_s += call.compute_s
+                rec.draft_bytes += call.bytes
+        rec.draft_s += time.perf_counter() - t0  # the draft's time not hidden by the target
+        guessed = [len(p.token_ids) for p in proposals.values() if p.token_ids]
+        rec.mean_k = sum(guessed) / len(guessed) if guessed else 0.0
+        rec.max_k = max(guessed, default=0)
+        heads: dict[str, Head | None] = {}
+        for res in results:
+            if not res.deferred:
+                continue
+            prop = proposals.get(res.seq_id)
+            if prop is None or not prop.token_ids:
+                heads[res.seq_id] = None
+            else:
+                heads[res.seq_id] = Head(prop.token_ids[0],
+                                         None if prop.q_ids is None else prop.q_ids[0],
+                                         None if prop.q_probs is None else prop.q_probs[0])
+        t1 = time.perf_counter()
+        resolved = self.target.resolve(heads) if heads else {}
+        rec.resolve_s = time.perf_counter() - t1
+        return resolved, {k: v for k, v in heads.items() if v is not None}, proposals
 
     def _apply_aborts(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
@@ -216,7 +317,8 @@ class Engine:
                 if not self._waiting:
                     return
                 req = self._waiting.popleft()
-            seq = _Seq(req, self._free_slots.pop(), list(req.prompt_ids), len(req.prompt_ids))
+            seq = _Seq(req, self._free_slots.pop(), list(req.prompt_ids), len(req.prompt_ids),
+                       admitted=time.monotonic())
             if self.tokenizer is not None:
                 seq.detok = Detokenizer(self.tokenizer, req.params.stop)
             self.target.start_sequence(req.request_id, req.params)
@@ -238,18 +340,40 @@ class Engine:
         room = self.target.max_len - seq.cached - pending
         return max(0, min(k, remaining - 1, room))
 
-    def _plan(self, rec: StepRecord) -> tuple[list[TargetRow], dict[str, int]]:
-        """This step's target rows, and the number of guesses of each decode row. Fills the
-        planning and drafting parts of rec."""
+    def _plan(self, rec: StepRecord
+              ) -> tuple[list[TargetRow], dict[str, int], list[ProposeInput]]:
+        """This step's target rows, the number of guesses of each decode row, and (overlap)
+        what the draft drafts during the target's step. Fills the planning and drafting
+        parts of rec."""
         t_plan = time.perf_counter()
         decode = [s for s in self._running.values() if s.cached >= s.prompt_len]
         prefill = [s for s in self._running.values() if s.cached < s.prompt_len]
         asks: dict[str, list[ProposeInput]] = collections.defaultdict(list)
+        windows: list[ProposeInput] = []
+        overlapped: dict[str, list[int]] = {}
         for seq in decode:
             seq.k_now = self._k_for(seq, len(seq.tokens) - seq.cached)
-            if seq.k_now:
+            if rec.overlapped and seq.req.method == "draft" and seq.k_now:
+                # This step verifies the guesses drafted during the last one; the draft
+                # goes on from their end, as if they will all be kept.
+                ahead = seq.ahead.token_ids[: seq.k_now] if seq.ahead else []
+                context = seq.tokens + ahead
+                # The draft's cache holds context + (guesses - 1) positions: stay in it.
+                window_k = min(seq.k_now, self.target.max_len - len(context) + 1)
+                if window_k > 0:
+                    overlapped[seq.req.request_id] = ahead
+                    windows.append(ProposeInput(seq.req.request_id, context, window_k,
+                                                seq.req.params))
+                    continue
+                seq.ahead = None
                 asks[seq.req.method].append(
                     ProposeInput(seq.req.request_id, seq.tokens, seq.k_now, seq.req.params))
+            elif seq.k_now:
+                seq.ahead = None
+                asks[seq.req.method].append(
+                    ProposeInput(seq.req.request_id, seq.tokens, seq.k_now, seq.req.params))
+            else:
+                seq.ahead = None
         t0 = time.perf_counter()
         rec.plan_s = t0 - t_plan
         proposals = {}
@@ -276,6 +400,16 @@ class Engine:
         num_draft: dict[str, int] = {}
         for seq in decode:
             rid = seq.req.request_id
+            if rid in overlapped:
+                guesses = overlapped[rid]
+                a = seq.ahead
+                q = (a.q_ids[: len(guesses)], a.q_probs[: len(guesses)]) \
+                    if a is not None and a.q_probs is not None and guesses else None
+                num_draft[rid] = len(guesses)
+                rows.append(TargetRow(rid, seq.slot, seq.cached,
+                                      seq.tokens[seq.cached:] + guesses, len(guesses), q, True,
+                                      defer_last=True))
+                continue
             prop = proposals.get(rid)
             guesses = prop.token_ids[: seq.k_now] if prop else []
             q = (prop.q_ids[: len(guesses)], prop.q_probs[: len(guesses)]) \
@@ -300,18 +434,29 @@ class Engine:
             rows.append(TargetRow(seq.req.request_id, seq.slot, seq.cached, chunk, 0, None, done))
             if done:
                 seq.k_now = 0
-        return rows, num_draft
+        return rows, num_draft, windows
 
-    def _advance(self, seq: _Seq, row: TargetRow, res: TargetResult) -> RequestOutput:
+    def _advance(self, seq: _Seq, row: TargetRow, res: TargetResult,
+                 settled: tuple[int, bool, bool] | None = None) -> RequestOutput:
+        """Apply one row's result. settled (overlap): the deferred token, whether the draft
+        offered a head guess for it, and whether that guess was kept; the head counts as
+        the round's last guess."""
         req = seq.req
+        # The target's cache now holds the row's pending tokens and its kept guesses.
         seq.cached = row.start + len(row.tokens) - row.num_draft + res.num_accepted
-        proposer = self.proposers.get(req.method)
-        if proposer is not None and row.num_draft:
-            proposer.accepted(req.request_id, seq.cached)
-        seq.spec.record_round(row.num_draft, res.num_accepted, len(res.tokens))
-        self.totals[req.method if row.num_draft else "none"].record_round(
-            row.num_draft, res.num_accepted, len(res.tokens))
         new = list(res.tokens)
+        drafted, kept = row.num_draft, res.num_accepted
+        if settled is not None:
+            token, offered, accepted = settled
+            new.append(token)
+            drafted += int(offered)
+            kept += int(accepted)
+        else:
+            proposer = self.proposers.get(req.method)
+            if proposer is not None and row.num_draft:
+                proposer.accepted(req.request_id, seq.cached)
+        seq.spec.record_round(drafted, kept, len(new))
+        self.totals[req.method if drafted else "none"].record_round(drafted, kept, len(new))
         reason = None
         eos_at = next((j for j, t in enumerate(new)
                        if t in self.eos_ids and not req.params.ignore_eos), None)
@@ -327,6 +472,8 @@ class Engine:
             if keep is not None:
                 new, reason = new[:keep], "stop"
         seq.tokens.extend(new)
+        if new and seq.first_token is None:
+            seq.first_token = time.monotonic()
         if reason is not None:
             return self._finish(seq, reason, new)
         return self._output(seq, new, finished=False, reason=None)
@@ -338,6 +485,11 @@ class Engine:
         out = RequestOutput(seq.req.request_id, new, delta, seq.tokens[seq.prompt_len:], text,
                             finished, reason, seq.prompt_len, seq.spec, error, seq.k_now,
                             seq.req.method, kind)
+        if finished and seq.req.arrival:
+            now = time.monotonic()
+            out.queue_s = seq.admitted - seq.req.arrival
+            out.ttft_s = seq.first_token - seq.req.arrival if seq.first_token else None
+            out.e2e_s = now - seq.req.arrival
         if seq.req.on_output is not None:
             seq.req.on_output(out)
         return out

@@ -125,6 +125,9 @@ class EngineSpec(BaseModel):
     # Run a short request through every path (prefill, plain step, speculative round)
     # before reporting ready, so the first user request does not pay for it.
     warmup: bool = True
+    # Draft while the target verifies (specdec/overlap.py): off, on, or auto (the engine
+    # measures both and keeps the faster). Needs a draft with compute of its own.
+    overlap: Literal["off", "on", "auto"] = "off"
 
     @model_validator(mode="after")
     def _check(self) -> EngineSpec:
@@ -142,6 +145,12 @@ class EngineSpec(BaseModel):
                     "the actor would compute on cores Ray has given to others; reserve them "
                     "(num_cpus) or lower threads")
         if self.draft is not None and self.draft.resources.reserves_nothing:
+            if self.overlap != "off":
+                raise ValueError(
+                    "overlap: the draft reserves no CPUs of its own (it borrows the target's "
+                    "cores while the target waits); drafting while the target computes would "
+                    "run both on the same cores. Give draft.resources its own num_cpus (or a "
+                    "GPU), or set overlap: off")
             if self.draft.tp != 1:
                 raise ValueError(
                     "draft.resources reserves nothing, so the draft borrows the cores of "

@@ -8,6 +8,7 @@ exact. Plain decoding is "no proposer" (k = 0).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -35,6 +36,14 @@ class Proposal:
     token_ids: list[int]
     q_ids: torch.Tensor | None = None     # [len, m] int
     q_probs: torch.Tensor | None = None   # [len, m] float32, rows sum to 1
+
+
+class DraftWindow(Protocol):
+    """Drafting that runs while the target verifies (see specdec/overlap.py)."""
+
+    def stop(self) -> None: ...
+
+    def result(self) -> list[Proposal]: ...
 
 
 class Proposer(Protocol):
@@ -143,6 +152,7 @@ class DraftModelProposer:
         if q_top_m is not None and q_top_m < 1:
             raise ValueError("draft q_top_m must be >= 1")
         self.q_top_m = q_top_m
+        self.window_threads: int | None = None  # threads of a background window (overlap)
         self.vocab_limit = vocab_limit
         self.model = model
         self.cache = model.new_cache(max_slots, max_len)
@@ -161,8 +171,19 @@ class DraftModelProposer:
             self._seqs[inp.seq_id] = s
         return s
 
+    def start_window(self, inputs: list[ProposeInput]) -> DraftWindow:
+        """Draft in the background (overlap with the target's step) until stopped: see
+        specdec/overlap.py. Each row's k is its cap; at least one guess per row."""
+        from specdec.overlap import ThreadWindow
+
+        return ThreadWindow(self.propose, inputs, self.window_threads)
+
     @torch.inference_mode()
-    def propose(self, inputs: list[ProposeInput]) -> list[Proposal]:
+    def propose(self, inputs: list[ProposeInput],
+                should_stop: Callable[[], bool] | None = None) -> list[Proposal]:
+        """Guesses for each row, up to its k. should_stop is asked before every forward
+        after the first: once it says so, every row ends its proposal there (the length
+        then depends on the target's timing, never on its verdict: still exact)."""
         requested = inputs
         inputs = [i for i in requested if i.k > 0]
         out = {i.seq_id: Proposal([]) for i in requested}
@@ -182,6 +203,8 @@ class DraftModelProposer:
         rows = [(s.slot, s.cached, i.context[s.cached:]) for s, i in zip(seqs, inputs, strict=True)]
         live = list(range(len(inputs)))
         for step in range(max(i.k for i in inputs)):
+            if step and should_stop is not None and should_stop():
+                break
             logits = self.model(BatchInput.build(rows, self.model.device), self.cache)
             if self.vocab_limit is not None:
                 # Guesses only from the first vocab_limit ids (q is zero elsewhere): exact

@@ -22,6 +22,7 @@ class Request:
     k: int = 0                       # draft tokens per round; 0 = plain decoding
     on_output: Callable[[RequestOutput], None] | None = None
     fixed_k: bool = False            # the caller pinned k: the policy must not revisit it
+    arrival: float = 0.0             # time.monotonic() when the engine took it (set there)
 
 
 @dataclasses.dataclass
@@ -41,6 +42,10 @@ class RequestOutput:
     # Why an errored request failed: "target_lost" (the target group went away: retry) or
     # "internal" (the step failed unexpectedly: a bug to report).
     error_kind: str | None = None
+    # On the final output: seconds queued before a slot, to the first token, end to end.
+    queue_s: float | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
 
 
 class EngineError(RuntimeError):

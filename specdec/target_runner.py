@@ -30,6 +30,10 @@ class TargetRow:
     # q of the guesses as (ids, probs) [num_draft, m], zero outside ids; None = one-hot q.
     draft_q: tuple[torch.Tensor, torch.Tensor] | None = None
     sample: bool = True        # False for a prefill chunk that does not end the prompt
+    # Overlap (specdec/overlap.py): when every guess is kept, keep the next position's
+    # distribution instead of drawing the bonus token; resolve() draws it later, against
+    # the draft's guess for that position.
+    defer_last: bool = False
 
 
 @dataclasses.dataclass
@@ -37,6 +41,22 @@ class TargetResult:
     seq_id: str
     tokens: list[int]          # kept drafts, then the corrected or bonus token
     num_accepted: int
+    deferred: bool = False     # all kept and no bonus drawn: resolve() emits that token
+
+
+@dataclasses.dataclass
+class Head:
+    """The draft's guess for a deferred position, with the q it was drawn from."""
+
+    token: int
+    q_ids: torch.Tensor | None = None     # [m]; None = one-hot q
+    q_probs: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class Resolved:
+    token: int
+    accepted: bool             # the head was kept (False: drawn from max(0, p - q) or p)
 
 
 class TargetRunner(Protocol):
@@ -50,11 +70,17 @@ class TargetRunner(Protocol):
 
     def end_sequence(self, seq_id: str) -> None: ...
 
+    # Overlap only: the deferred positions of the last step, against the draft's heads.
+    def resolve(self, heads: dict[str, Head | None]) -> dict[str, Resolved]: ...
+
 
 def verify_step(model: Decoder, cache: KVCache, rows: list[TargetRow],
                 params: dict[str, SamplingParams],
-                generators: dict[str, torch.Generator]) -> list[TargetResult]:
-    """Forward + rejection sampling for one ragged batch (shared by local and TP rank 0)."""
+                generators: dict[str, torch.Generator],
+                deferred: dict[str, torch.Tensor | int] | None = None) -> list[TargetResult]:
+    """Forward + rejection sampling for one ragged batch (shared by local and TP rank 0).
+    deferred: where a defer_last row keeps its next-position distribution (greedy rows:
+    the argmax id) when all its guesses are kept."""
     batch = BatchInput.build([(r.slot, r.start, r.tokens) for r in rows], model.device)
     sampled = [i for i, r in enumerate(rows) if r.sample]
     idx: list[int] = []
@@ -69,11 +95,12 @@ def verify_step(model: Decoder, cache: KVCache, rows: list[TargetRow],
         return []
     chosen = [rows[i] for i in sampled]
     if all(params[r.seq_id].greedy for r in chosen):
-        return _greedy_rows(chosen, logits)
-    return _sample_rows(chosen, logits, params, generators)
+        return _greedy_rows(chosen, logits, deferred)
+    return _sample_rows(chosen, logits, params, generators, deferred)
 
 
-def _greedy_rows(rows: list[TargetRow], logits: torch.Tensor) -> list[TargetResult]:
+def _greedy_rows(rows: list[TargetRow], logits: torch.Tensor,
+                 deferred: dict | None) -> list[TargetResult]:
     """All-greedy batches need only the argmax: the same rule as the sampler's greedy path,
     without building probability tensors over the vocabulary."""
     best = logits.argmax(-1).tolist()
@@ -86,13 +113,18 @@ def _greedy_rows(rows: list[TargetRow], logits: torch.Tensor) -> list[TargetResu
         kept = 0
         while kept < n and guesses[kept] == target[kept]:
             kept += 1
-        out.append(TargetResult(r.seq_id, guesses[:kept] + [target[kept]], kept))
+        if r.defer_last and kept == n and deferred is not None:
+            deferred[r.seq_id] = target[n]  # the next token, settled by resolve()
+            out.append(TargetResult(r.seq_id, guesses, kept, deferred=True))
+        else:
+            out.append(TargetResult(r.seq_id, guesses[:kept] + [target[kept]], kept))
     return out
 
 
 def _sample_rows(rows: list[TargetRow], logits: torch.Tensor,
                  params: dict[str, SamplingParams],
-                 generators: dict[str, torch.Generator]) -> list[TargetResult]:
+                 generators: dict[str, torch.Generator],
+                 deferred: dict | None) -> list[TargetResult]:
     V = logits.shape[-1]
     k = max(r.num_draft for r in rows)
     R = len(rows)
@@ -124,8 +156,46 @@ def _sample_rows(rows: list[TargetRow], logits: torch.Tensor,
         greedy=torch.tensor([p.greedy for p in row_params], device=probs.device),
     )
     out, emitted = out.tolist(), emitted.tolist()
-    return [TargetResult(r.seq_id, out[b][: emitted[b]], emitted[b] - 1)
-            for b, r in enumerate(rows)]
+    results = []
+    for b, r in enumerate(rows):
+        n = r.num_draft
+        if r.defer_last and emitted[b] == n + 1 and deferred is not None:
+            # All kept: keep p at the next position instead of the bonus drawn from it.
+            deferred[r.seq_id] = target[b, n] if not row_params[b].greedy \
+                else int(target[b, n].argmax())
+            results.append(TargetResult(r.seq_id, out[b][:n], n, deferred=True))
+        else:
+            results.append(TargetResult(r.seq_id, out[b][: emitted[b]], emitted[b] - 1))
+    return results
+
+
+def resolve_heads(heads: dict[str, Head | None], deferred: dict[str, torch.Tensor | int],
+                  params: dict[str, SamplingParams],
+                  generators: dict[str, torch.Generator]) -> dict[str, Resolved]:
+    """Settle each deferred position: its head guess kept with probability min(1, p/q)
+    (greedy: kept iff it is the argmax), else a draw from max(0, p - q); no head: a draw
+    from p. The rule of rejection.py with k = 1, whose bonus is never used."""
+    out: dict[str, Resolved] = {}
+    for seq_id, head in heads.items():
+        p = deferred.pop(seq_id)
+        if isinstance(p, int):  # greedy
+            out[seq_id] = Resolved(p, head is not None and head.token == p)
+            continue
+        x = head.token if head is not None else 0
+        q = None
+        if head is not None:
+            q = torch.zeros(1, 1, p.shape[-1], dtype=p.dtype, device=p.device)
+            if head.q_probs is None:
+                q[0, 0, x] = 1.0
+            else:
+                q[0, 0].scatter_(0, head.q_ids.long().to(p.device), head.q_probs.to(p))
+        target = torch.stack([p, p]).unsqueeze(0)  # [1, 2, V]; position 2 is never used
+        toks, emitted = rejection_sample(
+            torch.tensor([[x]], device=p.device), q, target, [generators[seq_id]],
+            num_draft=torch.tensor([1 if head is not None else 0], device=p.device))
+        # A kept head is followed by the (unused) bonus: two emitted.
+        out[seq_id] = Resolved(int(toks[0, 0]), head is not None and int(emitted[0]) == 2)
+    return out
 
 
 class LocalTargetRunner:
@@ -138,14 +208,20 @@ class LocalTargetRunner:
         self.vocab_size = model.cfg.vocab_size
         self._params: dict[str, SamplingParams] = {}
         self._gens: dict[str, torch.Generator] = {}
+        self._deferred: dict[str, torch.Tensor | int] = {}
 
     def start_sequence(self, seq_id: str, params: SamplingParams) -> None:
         self._params[seq_id] = params
         self._gens[seq_id] = make_generator(params.seed, "cpu")
 
     def step(self, rows: list[TargetRow]) -> list[TargetResult]:
-        return verify_step(self.model, self.cache, rows, self._params, self._gens)
+        return verify_step(self.model, self.cache, rows, self._params, self._gens,
+                           self._deferred)
+
+    def resolve(self, heads: dict[str, Head | None]) -> dict[str, Resolved]:
+        return resolve_heads(heads, self._deferred, self._params, self._gens)
 
     def end_sequence(self, seq_id: str) -> None:
         self._params.pop(seq_id, None)
         self._gens.pop(seq_id, None)
+        self._deferred.pop(seq_id, None)

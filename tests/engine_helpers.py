@@ -23,13 +23,14 @@ def load(path) -> Decoder:
 def make_engine(target_path, draft_path=None, slots=8, max_len=192,
                 draft_sampling="probabilistic", eos_ids=(), tokenizer=None,
                 config: EngineConfig | None = None, draft_vocab_limit=None,
-                draft_confidence=None, q_top_m=None, proposer_cls=DraftModelProposer) -> Engine:
+                draft_confidence=None, q_top_m=None, proposer_cls=DraftModelProposer,
+                overlap="off") -> Engine:
     proposers = {"ngram": NgramProposer(1, 3)}
     if draft_path is not None:
         proposers["draft"] = proposer_cls(load(draft_path), slots, max_len, draft_sampling,
                                           draft_vocab_limit, draft_confidence, q_top_m)
     return Engine(LocalTargetRunner(load(target_path), slots, max_len), proposers,
-                  tokenizer, eos_ids, config)
+                  tokenizer, eos_ids, config, overlap=overlap)
 
 
 def random_prompts(lengths, seed=0, vocab=96) -> list[list[int]]:
