@@ -43,28 +43,49 @@ class RayDraftProposer:
         self._rebuilding = False
         self.failures = 0
         self.last_call: CallStats | None = None
+        self._window_id = 0
 
     @property
     def available(self) -> bool:
         return bool(self.group.actors) and not self._rebuilding
 
     def propose(self, inputs: list[ProposeInput]) -> list[Proposal]:
+        ref, sent = self._submit("draft_propose", inputs)
+        return self._result(ref, sent)
+
+    def start_window(self, inputs: list[ProposeInput]) -> _RayWindow:
+        """Overlap (specdec/overlap.py): the draft actor drafts until stopped, while the
+        engine's thread waits on the target group."""
+        self._window_id += 1
+        ref, sent = self._submit("draft_window", inputs, self._window_id)
+        return _RayWindow(self, ref, sent, self._window_id)
+
+    def _submit(self, method: str, inputs: list[ProposeInput], *extra):
         self.last_call = None
         if not self.available:
             raise DraftUnavailable("the draft group is being rebuilt")
         deltas = self.sender.encode(inputs)
         released, self._released = self._released, []
         try:
-            proposals, compute_s = self.group.call("draft_propose", deltas, released)
+            ref = self.group.submit(method, deltas, released, *extra)
+        except GroupFailed as exc:
+            self._lost(exc)
+        return ref, (deltas, released)
+
+    def _result(self, ref, sent) -> list[Proposal]:
+        try:
+            proposals, compute_s = self.group.get(ref, "draft")
         except (GroupFailed, ShardError) as exc:
-            # Its copies of the contexts may be half-updated: start from a fresh draft.
-            self.failures += 1
-            log.error("draft group failed (%s); decoding plainly until it is back", exc)
-            self._start_rebuild()
-            raise DraftUnavailable(str(exc)) from exc
-        self.last_call = CallStats(compute_s, payload_bytes((deltas, released))
-                                   + payload_bytes(proposals))
+            self._lost(exc)
+        self.last_call = CallStats(compute_s, payload_bytes(sent) + payload_bytes(proposals))
         return proposals
+
+    def _lost(self, exc: Exception):
+        # Its copies of the contexts may be half-updated: start from a fresh draft.
+        self.failures += 1
+        log.error("draft group failed (%s); decoding plainly until it is back", exc)
+        self._start_rebuild()
+        raise DraftUnavailable(str(exc)) from exc
 
     def probe(self) -> None:
         """Health check between requests: a draft that died while nobody asked it for
@@ -105,3 +126,22 @@ class RayDraftProposer:
 
     def shutdown(self) -> None:
         self.group.kill()
+
+
+class _RayWindow:
+    """A draft window running in the draft actor (see RayDraftProposer.start_window)."""
+
+    def __init__(self, proposer: RayDraftProposer, ref, sent, window_id: int) -> None:
+        self.proposer, self.ref, self.sent, self.window_id = proposer, ref, sent, window_id
+
+    def stop(self) -> None:
+        group = self.proposer.group
+        if group.actors:
+            # The control thread marks it; the compute thread stops before its next forward.
+            try:
+                group.leader.stop_window.remote(self.window_id)
+            except Exception:  # noqa: BLE001 - a dead actor: result() reports it
+                pass
+
+    def result(self) -> list[Proposal]:
+        return self.proposer._result(self.ref, self.sent)

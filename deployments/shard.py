@@ -33,7 +33,7 @@ from specdec.parallel import Group, LeaderDecoder, follow
 from specdec.proposers import DraftModelProposer, Proposal
 from specdec.sampling import SamplingParams
 from specdec.sharding import ShardSpec
-from specdec.target_runner import LocalTargetRunner, TargetResult, TargetRow
+from specdec.target_runner import Head, LocalTargetRunner, Resolved, TargetResult, TargetRow
 from specdec.wire import ContextDelta, ContextReceiver
 
 
@@ -60,6 +60,7 @@ class ModelShard:
         self.runner: LocalTargetRunner | None = None
         self.proposer: DraftModelProposer | None = None
         self.contexts = ContextReceiver()
+        self._stopped: set[int] = set()  # overlap windows told to stop (control thread)
 
     @ray.method(concurrency_group="control")
     def address(self) -> tuple[str, int]:
@@ -144,6 +145,35 @@ class ModelShard:
         for seq_id, keep in self.contexts.rewound.items():
             self.proposer.accepted(seq_id, keep)
         return self.proposer.propose(inputs), time.perf_counter() - t0
+
+    @ray.method(concurrency_group="compute")
+    def draft_window(self, deltas: list[ContextDelta], released: list[str], window_id: int
+                     ) -> tuple[list[Proposal], float]:
+        """Overlap (specdec/overlap.py): draft until stop_window(window_id) arrives on the
+        control thread (at least one forward), while the target verifies elsewhere."""
+        assert self.proposer is not None
+        t0 = time.perf_counter()
+        # A stop may arrive before its window starts, or after it ended: keep only the
+        # marks of this window and later ones.
+        self._stopped = {w for w in self._stopped if w >= window_id}
+        for seq_id in released:
+            self.proposer.release(seq_id)
+            self.contexts.release(seq_id)
+        inputs = self.contexts.decode(deltas)
+        for seq_id, keep in self.contexts.rewound.items():
+            self.proposer.accepted(seq_id, keep)
+        out = self.proposer.propose(inputs, should_stop=lambda: window_id in self._stopped)
+        return out, time.perf_counter() - t0
+
+    @ray.method(concurrency_group="control")
+    def stop_window(self, window_id: int) -> None:
+        self._stopped.add(window_id)
+
+    @ray.method(concurrency_group="compute")
+    def target_resolve(self, heads: dict[str, Head | None]) -> dict[str, Resolved]:
+        """Overlap: settle the last step's deferred positions against the draft's heads."""
+        assert self.runner is not None
+        return self.runner.resolve(heads)
 
     @ray.method(concurrency_group="compute")
     def stop(self) -> None:

@@ -82,9 +82,17 @@ class ShardGroup:
         return self.stats
 
     def call(self, method: str, *args, timeout: float | None = None):
+        return self.get(self.submit(method, *args), method, timeout)
+
+    def submit(self, method: str, *args):
+        """Start a call on rank 0 without waiting (get() it later)."""
         if not self.actors:
             raise GroupFailed(f"{self.role} group is not running")
-        ref = getattr(self.leader, method).remote(*args)
+        return getattr(self.leader, method).remote(*args)
+
+    def get(self, ref, method: str, timeout: float | None = None):
+        """The result of a submitted call; errors sorted as a failed call (ShardError) or a
+        lost group (GroupFailed)."""
         try:
             return ray.get(ref, timeout=timeout or self.runtime.step_timeout_s)
         except ray.exceptions.RayTaskError as exc:

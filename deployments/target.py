@@ -15,7 +15,7 @@ from deployments.shard_group import GroupFailed, ShardError, ShardGroup
 from specdec.engine_config import ModelGroupConfig, RuntimeConfig
 from specdec.request import TargetLost
 from specdec.sampling import SamplingParams
-from specdec.target_runner import TargetResult, TargetRow
+from specdec.target_runner import Head, Resolved, TargetResult, TargetRow
 from specdec.wire import CallStats, payload_bytes
 
 log = logging.getLogger(__name__)
@@ -49,8 +49,18 @@ class RayTargetRunner:
             self._rebuild()
         started, ended = self._started, self._ended
         self._started, self._ended = {}, []
+        results, compute_s = self._call("target_step", rows, started, ended)
+        self.last_call = CallStats(compute_s, payload_bytes((rows, started, ended))
+                                   + payload_bytes(results))
+        return results
+
+    def resolve(self, heads: dict[str, Head | None]) -> dict[str, Resolved]:
+        """Overlap: the deferred positions of the last step (held on rank 0)."""
+        return self._call("target_resolve", heads)
+
+    def _call(self, method: str, *args):
         try:
-            results, compute_s = self.group.call("target_step", rows, started, ended)
+            return self.group.call(method, *args)
         except ShardError as exc:  # the step failed; the group is intact and keeps serving
             raise RuntimeError(str(exc)) from exc
         except GroupFailed as exc:
@@ -62,9 +72,6 @@ class RayTargetRunner:
             except Exception as rebuild_exc:  # noqa: BLE001 - tried again on the next step
                 log.error("target group rebuild failed: %s", rebuild_exc)
             raise TargetUnavailable(str(exc)) from exc
-        self.last_call = CallStats(compute_s, payload_bytes((rows, started, ended))
-                                   + payload_bytes(results))
-        return results
 
     def _rebuild(self) -> None:
         self.stats = self.group.start()

@@ -155,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the target as a tensor-parallel group of N Ray actors (0: in "
                         "this process)")
     g.add_argument("--draft-tp", type=int, default=1, help="tensor parallel size of the draft")
+    g.add_argument("--overlap", choices=["off", "on", "auto"], default="off",
+                   help="draft while the target verifies (the draft gets cores of its own)")
+    g.add_argument("--draft-threads", type=int, default=None,
+                   help="the draft's threads (overlap: the cores it takes from the target)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--max-tokens", type=int, default=64)

@@ -40,18 +40,29 @@ def spec_from_args(args) -> EngineSpec:
         raise ValueError("give --target MODEL (or --config serve_config.yaml)")
     cores = os.cpu_count() or 1
     tp = max(args.tp, 1)
-    target = ModelGroupConfig(model=args.target, tp=tp, dtype=args.dtype,
-                              threads=max(1, cores // tp),
-                              resources={"num_cpus": max(1, cores // tp)})
+    overlap = getattr(args, "overlap", "off")
     draft = None
+    target_cores = cores
     if args.draft:
+        if overlap != "off":
+            # Draft and target compute at the same time: each gets cores of its own.
+            draft_cores = args.draft_threads or max(1, cores // 2)
+            target_cores = max(1, cores - draft_cores)
+            per_rank = max(1, draft_cores // args.draft_tp)
+            resources = {"num_cpus": draft_cores / args.draft_tp}
+        else:
+            # Sequential: the draft borrows the target's cores while the target waits.
+            per_rank = args.draft_threads or max(1, cores // args.draft_tp)
+            resources = {"num_cpus": 0} if args.draft_tp == 1 else {"num_cpus": per_rank}
         draft = DraftGroupConfig(model=args.draft, tp=args.draft_tp, dtype=args.dtype,
                                  sampling=args.draft_sampling,
                                  vocab_limit=args.draft_vocab_limit,
-                                 threads=max(1, cores // args.draft_tp),
-                                 resources={"num_cpus": 0} if args.draft_tp == 1 else
-                                 {"num_cpus": max(1, cores // args.draft_tp)})
-    return EngineSpec(target=target, draft=draft, warmup=False,
+                                 threads=per_rank, resources=resources)
+    target = ModelGroupConfig(model=args.target, tp=tp, dtype=args.dtype,
+                              threads=max(1, target_cores // tp),
+                              resources={"num_cpus": max(target_cores / tp,
+                                                         1 if overlap == "off" else 0.5)})
+    return EngineSpec(target=target, draft=draft, warmup=False, overlap=overlap,
                       runtime=RuntimeConfig(max_slots=1, max_len=args.max_len,
                                             gloo_socket_ifname="lo"))
 

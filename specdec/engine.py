@@ -191,7 +191,8 @@ class Engine:
     def _use_overlap(self) -> bool:
         proposer = self.proposers.get("draft")
         if self.overlap == "off" or proposer is None or \
-                not hasattr(proposer, "start_window") or not hasattr(self.target, "resolve"):
+                not hasattr(proposer, "start_window") or not hasattr(self.target, "resolve") \
+                or not getattr(proposer, "available", True):  # a lost draft: plain rounds
             return False
         if self.overlap_chooser is not None:
             return self.overlap_chooser.use_overlap()
@@ -207,8 +208,8 @@ class Engine:
         if windows:  # the draft starts now and works while the target verifies
             try:
                 window = self.proposers["draft"].start_window(windows)
-            except Exception:  # noqa: BLE001 - a lost draft: the rows go plain this step
-                log.exception("draft window failed to start")
+            except Exception as exc:  # noqa: BLE001 - a lost draft: plain draws this step
+                log.warning("draft window failed to start: %s", exc)
         try:
             results = self.target.step(rows)
         except BaseException:
@@ -228,9 +229,10 @@ class Engine:
         rec.target_bytes = call.bytes if call else 0
         rec.rows, rec.tokens = len(rows), sum(len(r.tokens) for r in rows)
         rec.prefill_tokens = sum(len(r.tokens) for r in rows if r.seq_id not in num_draft)
-        rec.max_k = max(num_draft.values(), default=0)
-        drafted = [n for n in num_draft.values() if n]
-        rec.mean_k = sum(drafted) / len(drafted) if drafted else 0.0
+        if not windows:  # (overlap: _settle recorded how far the draft got instead)
+            rec.max_k = max(num_draft.values(), default=0)
+            drafted = [n for n in num_draft.values() if n]
+            rec.mean_k = sum(drafted) / len(drafted) if drafted else 0.0
         self.steps += 1
         by_id = {r.seq_id: r for r in results}
         for row in rows:
@@ -274,8 +276,8 @@ class Engine:
             try:
                 got = window.result()
                 proposals = {i.seq_id: p for i, p in zip(windows, got, strict=False)}
-            except Exception:  # noqa: BLE001 - a lost draft: plain draws this step
-                log.exception("draft window failed; settling plainly")
+            except Exception as exc:  # noqa: BLE001 - a lost draft: plain draws this step
+                log.warning("draft window failed (%s); settling plainly", exc)
             call = getattr(self.proposers["draft"], "last_call", None)
             if call is not None:
                 rec.draft_compute_s += call.compute_s

@@ -12,6 +12,7 @@ def timeline_summary(records) -> dict:
     if not records:
         return {}
     drafting = [r for r in records if r.max_k] or records
+    overlapped = [r for r in records if r.overlapped]
 
     def med(f, among=records) -> float:
         return round(1000 * statistics.median(f(r) for r in among), 2)
@@ -31,4 +32,12 @@ def timeline_summary(records) -> dict:
             or [0.0]), 2),
         "draft_bytes": statistics.median(r.draft_bytes for r in drafting),
         "target_bytes": statistics.median(r.target_bytes for r in records),
+        # Guesses per drafting row (overlap: how far the draft got while the target ran),
+        # tokens the decode rows emitted per step.
+        "guesses_per_row": round(statistics.median(r.mean_k for r in drafting), 2),
+        "emitted_per_step": statistics.median(r.emitted for r in records),
+        # Overlap: steps where the draft worked during the target's step, and the small
+        # call settling each such step's last position.
+        "overlapped_steps": sum(1 for r in records if r.overlapped),
+        "resolve_ms": med(lambda r: r.resolve_s, overlapped) if overlapped else 0.0,
     }
