@@ -122,7 +122,9 @@ class LocalBackend:
                                   "compute at the same time in overlap")
         # Sequentially the two models take turns on one thread pool; with overlap the draft
         # computes on its own thread (see overlap.ThreadWindow) and this one is the target's.
-        torch.set_num_threads(target if spec.overlap != "off" else max(wanted))
+        # `auto` switches between the two per step (mode_threads).
+        self.mode_threads = {False: max(wanted), True: target}
+        torch.set_num_threads(target if spec.overlap == "on" else max(wanted))
 
     def target(self, spec: EngineSpec, path: Path) -> TargetRunner:
         if spec.target.tp != 1:
@@ -210,6 +212,9 @@ def assemble(spec: EngineSpec, backend: Backend) -> AssembledEngine:
                         EngineConfig(max_tokens_per_step=spec.max_tokens_per_step,
                                      max_waiting=spec.max_waiting),
                         choose_k=policy.choose_k, overlap=spec.overlap)
+        threads = getattr(backend, "mode_threads", None)
+        if spec.overlap == "auto" and threads:
+            engine.on_mode = lambda overlapped: torch.set_num_threads(threads[overlapped])
         built = AssembledEngine(engine, tok, spec, policy, backend, target_path)
         if spec.warmup:
             warm_up(engine)

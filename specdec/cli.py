@@ -157,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-tp", type=int, default=1, help="tensor parallel size of the draft")
     g.add_argument("--overlap", choices=["off", "on", "auto"], default="off",
                    help="draft while the target verifies (the draft gets cores of its own)")
+    g.add_argument("--target-threads", type=int, default=None,
+                   help="threads per target rank (default: its share of the cores)")
     g.add_argument("--draft-threads", type=int, default=None,
                    help="the draft's threads (overlap: the cores it takes from the target)")
     g.add_argument("--prompt", required=True)

@@ -59,7 +59,8 @@ def spec_from_args(args) -> EngineSpec:
                                  vocab_limit=args.draft_vocab_limit,
                                  threads=per_rank, resources=resources)
     target = ModelGroupConfig(model=args.target, tp=tp, dtype=args.dtype,
-                              threads=max(1, target_cores // tp),
+                              threads=getattr(args, "target_threads", None)
+                              or max(1, target_cores // tp),
                               resources={"num_cpus": max(target_cores / tp,
                                                          1 if overlap == "off" else 0.5)})
     return EngineSpec(target=target, draft=draft, warmup=False, overlap=overlap,

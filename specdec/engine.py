@@ -115,6 +115,10 @@ class Engine:
         # (measured both ways, the faster kept).
         self.overlap = overlap
         self.overlap_chooser = OverlapChooser() if overlap == "auto" else None
+        # Called when a step's mode differs from the last one's (auto: the caller's thread
+        # plan differs between sequential and overlapped steps).
+        self.on_mode: Callable[[bool], None] | None = None
+        self._last_mode: bool | None = None
 
     # ---- submission (thread-safe) -------------------------------------------------------
 
@@ -202,6 +206,9 @@ class Engine:
         t_start = time.perf_counter()
         rec = StepRecord(0, 0, 0.0, 0.0)
         rec.overlapped = self._use_overlap()
+        if rec.overlapped != self._last_mode and self.on_mode is not None:
+            self.on_mode(rec.overlapped)
+        self._last_mode = rec.overlapped
         rows, num_draft, windows = self._plan(rec)
         t0 = time.perf_counter()
         window = None

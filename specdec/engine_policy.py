@@ -48,6 +48,7 @@ class EnginePolicy:
         self.lengths = LengthEstimator(self.config)
         self.step_cost = StepCostModel()
         self.draft_round_cost = DraftCostModel()
+        self._overlapped = False  # the engine drafts during verification (round cost max)
         self.draft_cost: float | None = None  # c as a moving average, for display/fallback
         self._step_seen = -1
         self._k_cache: dict[tuple, int] = {}
@@ -105,7 +106,7 @@ class EnginePolicy:
             config = dataclasses.replace(config, draft_cost_ratio=self.draft_cost)
         return decide(config, methods, alpha, expected, load, self.step_cost,
                       forced_method=method, forced_k=k, draft_cost=self.draft_round_cost,
-                      curves=curves)
+                      curves=curves, overlapped=self._overlapped)
 
     @staticmethod
     def _load(load: dict, joining: int = 0) -> Load:
@@ -124,6 +125,7 @@ class EnginePolicy:
     def _choose_k(self, engine, req, spec) -> int:
         if engine.steps != self._step_seen:
             self._step_seen, self._k_cache = engine.steps, {}
+            self._overlapped = _overlapping(engine)  # admissions use it too
         own = spec.policy_trials
         bucket = None
         if spec.rounds >= self.config.collapse_rounds and own:
@@ -138,7 +140,8 @@ class EnginePolicy:
             self._k_cache[key] = revisit(
                 config, req.method, req.k, trials, kept, spec.rounds,
                 self.acceptance.alpha(req.method), load, self.step_cost,
-                self.draft_round_cost, self.acceptance.curve(req.method, self.config.k_max))
+                self.draft_round_cost, self.acceptance.curve(req.method, self.config.k_max),
+                overlapped=self._overlapped)
         return self._k_cache[key]
 
     # ---- observations ----------------------------------------------------------------
@@ -183,3 +186,10 @@ class EnginePolicy:
             "step_cost_fit": self.step_cost.fit(), "draft_cost_ratio": self.draft_cost,
             "draft_round_fit": self.draft_round_cost.fit(),
         }
+
+
+def _overlapping(engine) -> bool:
+    """Whether the engine drafts during verification now (on, or auto having chosen it)."""
+    mode = getattr(engine, "overlap", "off")
+    chooser = getattr(engine, "overlap_chooser", None)
+    return mode == "on" or (chooser is not None and bool(chooser.choice))

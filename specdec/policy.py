@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from specdec.cost_model import expected_speedup
+from specdec.cost_model import expected_tokens_per_round
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,8 +247,13 @@ def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
            expected_tokens: float, load: Load, cost: StepCostModel,
            forced_method: str | None = None, forced_k: int | None = None,
            draft_cost: DraftCostModel | None = None,
-           curves: dict[str, list[float]] | None = None) -> Decision:
+           curves: dict[str, list[float]] | None = None,
+           overlapped: bool = False) -> Decision:
     """Choose method and k for a request about to start (or for its next round).
+
+    overlapped (specdec/overlap.py): the draft drafts while the target verifies, so a
+    draft-model round costs max(k*c, v) instead of k*c + v (and the draft stops when the
+    target is done: guesses beyond what fits in v are not made).
 
     Tokens per round come from the method's measured acceptance curve (r_i, see
     AcceptanceTracker.curve) when given, else from the i.i.d. model with alpha.
@@ -284,10 +289,11 @@ def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
             if measured is not None and plain_step:
                 c = measured / plain_step / k  # this k's draft cost per guess, fixed part in
             curve = (curves or {}).get(m)
+            round_cost = max(k * c, v) if overlapped and m == "draft" else k * c + v
             if curve and len(curve) >= k:
-                s = (1.0 + sum(curve[:k])) / (k * c + v)
+                s = (1.0 + sum(curve[:k])) / round_cost
             else:
-                s = expected_speedup(alpha.get(m, 0.5), k, c, v)
+                s = expected_tokens_per_round(alpha.get(m, 0.5), k) / round_cost
             if forced_k is not None or s > best.expected_speedup:
                 best = Decision("speculative", m, k, f"best expected goodput: {s:.2f}x plain "
                                 f"(alpha {alpha.get(m, 0.5):.2f}, c {c:.2f}, v {v:.2f})",
@@ -301,7 +307,8 @@ def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
 
 def revisit(config: PolicyConfig, method: str, k_now: int, own_trials: int, own_kept: int,
             rounds: int, method_alpha: float, load: Load, cost: StepCostModel,
-            draft_cost: DraftCostModel | None = None, curve: list[float] | None = None) -> int:
+            draft_cost: DraftCostModel | None = None, curve: list[float] | None = None,
+            overlapped: bool = False) -> int:
     """k for a running request's next round: its own acceptance (once trusted) blended with
     the method's, under the current load; 0 when its acceptance collapsed. The method's
     curve is rescaled by (blended alpha / method alpha)^i for this request."""
@@ -320,5 +327,5 @@ def revisit(config: PolicyConfig, method: str, k_now: int, own_trials: int, own_
         ratio = alpha / max(method_alpha, 1e-6)
         curves = {method: [min(1.0, r * ratio ** i) for i, r in enumerate(curve, 1)]}
     d = decide(config, [method], {method: alpha}, math.inf, load, cost, forced_method=method,
-               draft_cost=draft_cost, curves=curves)
+               draft_cost=draft_cost, curves=curves, overlapped=overlapped)
     return d.k

@@ -186,3 +186,36 @@ def test_a_window_really_runs_during_the_target_step(tiny_llama, tiny_llama_draf
     engine.run(requests(random_prompts((6,), seed=1), greedy(16), "draft", 6))
     assert started.is_set()
     assert max(r.max_k for r in engine.history) > 1
+
+
+def test_auto_measures_both_modes_and_keeps_the_faster():
+    from specdec.overlap import OverlapChooser
+
+    for overlap_faster in (True, False):
+        chooser = OverlapChooser(sample_steps=6, block=2, hold_steps=10)
+        seen = set()
+        while chooser.choice is None:
+            mode = chooser.use_overlap()
+            seen.add(mode)
+            # Same tokens per step; the faster mode takes 0.1 s, the other 0.2 s.
+            chooser.observe(mode, 0.1 if mode == overlap_faster else 0.2, 4)
+        assert seen == {False, True} and chooser.choice is overlap_faster
+        for _ in range(10):  # held, then measured again
+            chooser.observe(chooser.use_overlap(), 0.1, 4)
+        assert chooser.choice is None
+
+
+def test_auto_overlap_is_token_identical_while_switching_modes(pair):
+    from specdec.overlap import OverlapChooser
+
+    target, draft = pair
+    prompts = random_prompts((5, 9, 14, 3), seed=4)
+    expected = plain_reference(target, prompts, 48)
+    engine = make_engine(target, draft, overlap="auto")
+    engine.overlap_chooser = OverlapChooser(sample_steps=6, block=2, hold_steps=8)
+    modes = []
+    engine.on_mode = modes.append
+    out = engine.run(requests(prompts, greedy(48), "draft", 3))
+    for i, e in enumerate(expected):
+        assert out[f"r{i}"].token_ids == e
+    assert True in modes and False in modes  # it switched both ways mid-request

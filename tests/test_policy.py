@@ -200,3 +200,25 @@ def test_after_an_outage_the_policy_explores_and_speculates_again():
         finish(4, 10)
     d = policy.admit(load, ["draft"], 10, 200, False, Overrides())
     assert d.mode == "speculative" and d.why == "goodput", d.reason
+
+
+def test_overlap_round_cost_is_the_max_of_draft_and_verify():
+    """Overlapped, a draft round costs max(k*c, v), not k*c + v: guesses that fit under the
+    verify are free, so the policy drafts longer and expects more."""
+    import dataclasses
+
+    from specdec.cost_model import expected_tokens_per_round
+
+    cfg = dataclasses.replace(CFG, draft_cost_ratio=0.15)
+    seq = decide(cfg, ["draft"], {"draft": 0.8}, 200, Load(running=1), flat_cost())
+    ovl = decide(cfg, ["draft"], {"draft": 0.8}, 200, Load(running=1), flat_cost(),
+                 overlapped=True)
+    c = cfg.draft_cost_ratio
+    assert ovl.k > seq.k and ovl.expected_speedup > seq.expected_speedup
+    want = expected_tokens_per_round(0.8, ovl.k) / max(ovl.k * c, 1.0)
+    assert abs(ovl.expected_speedup - want) < 1e-9
+    # n-gram rounds do not overlap: their cost stays the sum.
+    ng = decide(CFG, ["ngram"], {"ngram": 0.6}, 200, Load(running=1), flat_cost(),
+                overlapped=True)
+    ng_seq = decide(CFG, ["ngram"], {"ngram": 0.6}, 200, Load(running=1), flat_cost())
+    assert (ng.k, ng.expected_speedup) == (ng_seq.k, ng_seq.expected_speedup)
