@@ -14,6 +14,7 @@ between the actors per step, and the HTTP + Serve overhead per request.
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import os
@@ -28,6 +29,7 @@ from specdec.assemble import LocalBackend, assemble
 from specdec.bench.prompts import PROMPT_SETS
 from specdec.bench.table import median, percentile, print_table, write_json
 from specdec.cli_generate import spec_from_config
+from specdec.engine_config import EngineSpec
 from specdec.engine_policy import Overrides
 from specdec.generate import load_tokenizer
 from specdec.progress import Progress
@@ -105,12 +107,13 @@ def _modes(ks: list[int]) -> list[tuple[str, Overrides]]:
         [("auto (policy)", Overrides(mode="auto"))]
 
 
-def _local_rows(args, spec, prompts, progress) -> list[dict]:
+def _local_rows(args, spec, prompts, progress, modes=None, label="") -> list[dict]:
+    threads = torch.get_num_threads()
     built = assemble(spec, LocalBackend())
     tok = built.tokenizer
     rows = []
     try:
-        for config, wanted in _modes(args.k):
+        for config, wanted in modes or _modes(args.k):
             rates, mal = [], []
             for _ in range(args.repeats):
                 for text, chat in prompts:
@@ -124,13 +127,14 @@ def _local_rows(args, spec, prompts, progress) -> list[dict]:
                     if final.spec.mean_acceptance_length:
                         mal.append(final.spec.mean_acceptance_length)
                     progress.advance()
-            rows.append(_row("ours, in process", config, rates, dtype=spec.target.dtype,
+            rows.append(_row("ours, in process", config + label, rates, dtype=spec.target.dtype,
                              mean_acceptance_length=median(mal) if mal else None,
                              timeline=timeline_summary(list(built.engine.history))))
     finally:
         built.close()
         del built
         gc.collect()
+        torch.set_num_threads(threads)  # assemble set this process's threads for its spec
     return rows
 
 
@@ -143,7 +147,9 @@ def _drain(engine, rid: str):
 
 # ---- the served application -------------------------------------------------------------
 
-def _served_rows(args, app_args: dict, prompts, progress) -> tuple[list[dict], dict]:
+def _served_rows(args, apps: list[tuple[str, dict, list]], prompts, progress
+                 ) -> tuple[list[dict], dict]:
+    """Each (label, app args, modes) deployed in turn on one local Ray, then measured."""
     from ray import serve
 
     from deployments.app import build_app
@@ -153,36 +159,62 @@ def _served_rows(args, app_args: dict, prompts, progress) -> tuple[list[dict], d
     overhead: dict = {}
     with local_ray(num_cpus=os.cpu_count() or 2, quiet_serve=True):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        t0 = time.perf_counter()
-        serve.run(build_app(app_args), name="specdec", route_prefix="/")
-        ready_s = time.perf_counter() - t0
-        model = app_args.get("model_name") or app_args["target"]["model"]
         try:
-            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=1800) as c:
-                for config, wanted in _modes(args.k):
-                    body_spec = {"mode": wanted.mode, "method": wanted.method, "k": wanted.k}
-                    rates, mal, ttft, over = [], [], [], []
-                    for _ in range(args.repeats):
-                        for text, chat in prompts:
-                            r = _one_http(c, model, text, chat, args.max_tokens,
-                                          {k: v for k, v in body_spec.items() if v is not None})
-                            rates.append(r["tokens"] / r["latency"])
-                            ttft.append(r["ttft"])
-                            over.append(r["latency"] - r["engine_s"])
-                            if r["mal"]:
-                                mal.append(r["mal"])
-                            progress.advance()
-                    timeline = c.get("/health").json()["engine"].get("timeline", {})
-                    rows.append(_row("ours, served", config, rates,
-                                     dtype=app_args["target"].get("dtype", "auto"),
-                                     mean_acceptance_length=median(mal) if mal else None,
-                                     ttft_p50_s=median(ttft),
-                                     overhead_p50_ms=1000 * median(over), timeline=timeline))
-                overhead = _overhead(c, model)
+            for n, (label, app_args, modes) in enumerate(apps):
+                t0 = time.perf_counter()
+                serve.run(build_app(app_args), name="specdec", route_prefix="/")
+                ready_s = time.perf_counter() - t0
+                model = app_args.get("model_name") or app_args["target"]["model"]
+                with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=1800) as c:
+                    for config, wanted in modes:
+                        rows.append(_served_row(c, model, args, prompts, progress, wanted,
+                                                config + label, app_args))
+                    if n == 0:
+                        overhead = _overhead(c, model)
+                        overhead["ready_s"] = ready_s
+                serve.delete("specdec")
         finally:
             serve.shutdown()
-    overhead["ready_s"] = ready_s
     return rows, overhead
+
+
+def _served_row(c, model, args, prompts, progress, wanted, config, app_args) -> dict:
+    body_spec = {"mode": wanted.mode, "method": wanted.method, "k": wanted.k}
+    rates, mal, ttft, over = [], [], [], []
+    for _ in range(args.repeats):
+        for text, chat in prompts:
+            r = _one_http(c, model, text, chat, args.max_tokens,
+                          {k: v for k, v in body_spec.items() if v is not None})
+            rates.append(r["tokens"] / r["latency"])
+            ttft.append(r["ttft"])
+            over.append(r["latency"] - r["engine_s"])
+            if r["mal"]:
+                mal.append(r["mal"])
+            progress.advance()
+    timeline = c.get("/health").json()["engine"].get("timeline", {})
+    return _row("ours, served", config, rates, dtype=app_args["target"].get("dtype", "auto"),
+                mean_acceptance_length=median(mal) if mal else None,
+                ttft_p50_s=median(ttft), overhead_p50_ms=1000 * median(over),
+                timeline=timeline)
+
+
+def _split(app_args: dict, overlap: str) -> dict:
+    """The config with one core each for target and draft (the draft reserves its own), so
+    sequential and overlapped speculation compare with the same compute per model."""
+    a = copy.deepcopy(app_args)
+    a["target"].update(threads=1, resources={**a["target"].get("resources", {}), "num_cpus": 1})
+    a["draft"].update(threads=1, resources={**a["draft"].get("resources", {}), "num_cpus": 1})
+    a["overlap"] = overlap
+    return a
+
+
+def _split_variants(args, app_args: dict) -> list[tuple[str, dict, list]]:
+    if not args.split:
+        return []
+    modes = [(f"speculative k={k}", Overrides(mode="on", method="draft", k=k))
+             for k in args.k]
+    return [(", 1+1 cores, sequential", _split(app_args, "off"), modes),
+            (", 1+1 cores, overlapped", _split(app_args, "on"), modes)]
 
 
 def _one_http(c: httpx.Client, model: str, text: str, chat: bool, max_tokens: int,
@@ -244,6 +276,14 @@ def _ratios(rows: list[dict]) -> list[dict]:
         if s == "ours, served":
             ratio(f"served {c} / in process {c}", v, by.get(("ours, in process", c)),
                   ">= 0.9" if c in ("plain", "auto (policy)") or c.startswith("spec") else None)
+    for k in sorted({c.split(",")[0] for (s, c) in by if c.endswith("overlapped")}):
+        for system in ("ours, in process", "ours, served"):
+            ratio(f"{system}: {k} overlapped / sequential (1+1 cores)",
+                  by.get((system, f"{k}, 1+1 cores, overlapped")),
+                  by.get((system, f"{k}, 1+1 cores, sequential")), ">= 1.3 (own compute)")
+        ratio(f"served {k} overlapped (1+1) / in process {k} (config)",
+              by.get(("ours, served", f"{k}, 1+1 cores, overlapped")),
+              by.get(("ours, in process", k)), ">= 1.0")
     auto = by.get(("ours, served", "auto (policy)"))
     ratio("served auto / served plain", auto, served_plain, ">= 2.0")
     ratio("served auto / best transformers assisted", auto, best_hf, ">= 1.3")
@@ -259,13 +299,19 @@ def main(args) -> int:
     app_args = doc["applications"][0]["args"]
     spec = spec_from_config(args.config)
     prompts = _prompts(args.sets, args.prompts_per_set)
-    n_modes = len(args.k) + 2
+    variants = _split_variants(args, app_args)
+    n_modes = len(args.k) + 2 + sum(len(m) for _, _, m in variants)
     total = len(prompts) * args.repeats * ((0 if args.no_hf else 3 * len(args.hf_dtypes))
                                            + 2 * n_modes)
     progress = Progress("bench served", total=total, unit=" requests")
     rows = [] if args.no_hf else _hf_rows(args, spec, prompts, progress)
     rows += _local_rows(args, spec, prompts, progress)
-    served, overhead = _served_rows(args, app_args, prompts, progress)
+    for label, variant, modes in variants:
+        rows += _local_rows(args, EngineSpec.model_validate(
+            {k: v for k, v in variant.items() if k in EngineSpec.model_fields}),
+            prompts, progress, modes, label)
+    served, overhead = _served_rows(args, [("", app_args, _modes(args.k))] + variants,
+                                    prompts, progress)
     rows += served
     progress.close()
     print_table(rows, ["system", "config", "dtype", "runs", "tokens_per_s", "q1", "q3",
@@ -277,7 +323,8 @@ def main(args) -> int:
     if lines:
         print_table(lines, ["system", "config", "step_ms", "plan_ms", "draft_call_ms",
                             "draft_compute_ms", "target_call_ms", "target_compute_ms", "post_ms",
-                            "gap_ms", "draft_bytes", "target_bytes"],
+                            "gap_ms", "resolve_ms", "guesses_per_row", "emitted_per_step",
+                            "draft_bytes", "target_bytes"],
                     title="per step (medians over the last steps of each row): where the time "
                           "goes; *_call = seen by the engine, *_compute = inside the actor")
     print_table([overhead], list(overhead), title="HTTP + Serve overhead per request")

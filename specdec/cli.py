@@ -254,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     b_sd.add_argument("--hf-dtypes", nargs="+", default=["bfloat16", "float32"],
                       help="dtypes to run transformers in (its defaults and its best)")
     b_sd.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    b_sd.add_argument("--split", action="store_true",
+                      help="also one core each for target and draft: sequential vs overlapped")
     b_sd.add_argument("--json", metavar="PATH", default=None)
     b_sd.set_defaults(func=_bench_served)
     b_ld = bench.add_parser("load", help="many streaming clients for a while: failures, "
