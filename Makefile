@@ -1,3 +1,6 @@
+# grafana-client's HTTP stack (niquests) brings urllib3-future, whose wheel replaces the real
+# urllib3 package at every interpreter start, which breaks requests-based tools (schemathesis);
+# built from source with URLLIB3_NO_OVERRIDE=1 it installs beside urllib3 instead.
 # Everything installs into .venv in this checkout. CPU torch comes from torch==2.13.0 (a
 # local file on the project's CPU machines; on GPU machines the same pin takes the normal
 # CUDA wheel). Override with `make TORCH_SPEC=... install`.
@@ -13,7 +16,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install "$(TORCH_SPEC)"
-	$(PIP) install -e '.[test]'
+	URLLIB3_NO_OVERRIDE=1 $(PIP) install --no-binary urllib3-future -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
