@@ -87,10 +87,12 @@ class ModelShard:
         self.group = Group(self.rank, self.world, init_method, self.device, collective_timeout_s)
         path = resolve(self.model_ref)
         rss_before = peak_rss_mb()
+        # Every rank projects its slice of the vocabulary (a draft's limit applies to all).
+        limit = self.extra.get("vocab_limit") if self.role == "draft" else None
         local = Decoder.from_checkpoint(path, self.dtype, self.device,
-                                        ShardSpec(self.rank, self.world),
-                                        with_lm_head=self.rank == 0)
+                                        ShardSpec(self.rank, self.world), vocab_limit=limit)
         local.all_reduce = self.group.all_reduce_fn()
+        local.gather_vocab = self.group.gather_vocab_fn(local.vocab_out)
         cache = local.new_cache(self.max_slots, self.max_len)
         self.local, self.cache = local, cache
         if self.rank == 0:

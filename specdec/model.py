@@ -84,6 +84,11 @@ class Decoder:
         self.embed, self.norm, self.lm_head = embed, norm, lm_head
         self.format, self.dtype, self.device = fmt, fmt.act_dtype, device
         self.all_reduce: AllReduce = _identity
+        # Logits columns this model produces (the vocabulary, or a draft's limit of it).
+        self.vocab_out = cfg.vocab_size
+        # Tensor-parallel: joins the ranks' vocabulary slices into full logits on rank 0
+        # (followers get an empty tensor). Set by the group (specdec.parallel).
+        self.gather_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._rotary: Rotary | None = None
 
     # ---- construction -------------------------------------------------------------------
@@ -91,10 +96,13 @@ class Decoder:
     @classmethod
     def from_checkpoint(cls, path: str | Path, dtype: torch.dtype | str = torch.float32,
                         device: str | torch.device = "cpu",
-                        shard: ShardSpec | None = None, with_lm_head: bool = True) -> Decoder:
+                        shard: ShardSpec | None = None, with_lm_head: bool = True,
+                        vocab_limit: int | None = None) -> Decoder:
         """dtype: a torch dtype or a weight format name (see specdec.linear: "auto" picks
         the fastest exact-enough format for the device). with_lm_head=False skips the
-        vocabulary projection (tensor-parallel followers never compute logits)."""
+        vocabulary projection. vocab_limit: score only the first n token ids (a draft's
+        limit). Tensor-parallel (world > 1): every rank projects its slice of the
+        vocabulary (vocabulary-parallel), so no rank carries the whole projection."""
         cfg = DecoderConfig.from_checkpoint(path)
         shard = shard or ShardSpec()
         shard.check(cfg)
@@ -145,18 +153,31 @@ class Decoder:
         # The table is only indexed: stored as the weights are, cast per lookup.
         embed = get("model.embed_tokens.weight", dtype=fmt.weight_dtype)
         lm_head: Linear | None = None
-        if with_lm_head:
+        n_out = vocab_limit or cfg.vocab_size
+        if not 0 < n_out <= cfg.vocab_size:
+            raise ValueError(f"vocab limit must be in 1..{cfg.vocab_size}")
+        if with_lm_head or shard.world > 1:
             tied = cfg.tie_word_embeddings or not ck.has("lm_head.weight")
-            lm_head = fmt.linear(embed if tied else weight("lm_head.weight"))
+            rows = shard.vocab_rows(n_out)
+            table = embed if tied else weight("lm_head.weight")
+            lm_head = fmt.linear(table[rows.start:rows.stop])
         norm = get("model.norm.weight")
-        return cls(cfg, layers, embed, norm, lm_head, shard, fmt, device)
+        model = cls(cfg, layers, embed, norm, lm_head, shard, fmt, device)
+        model.vocab_out = n_out
+        return model
 
     def limit_vocab(self, n: int) -> Decoder:
         """A view of this model that scores only the first n token ids (layers shared)."""
         if not 0 < n <= self.cfg.vocab_size:
             raise ValueError(f"vocab limit must be in 1..{self.cfg.vocab_size}")
+        if n == self.vocab_out:
+            return self
+        if self.shard.world > 1:  # every rank's slice would change: set it at load time
+            raise ValueError("a tensor-parallel model's vocabulary limit is set when its "
+                             "shards load (Decoder.from_checkpoint(vocab_limit=...))")
         out = copy.copy(self)
         out.lm_head = self.lm_head.first_rows(n) if self.lm_head is not None else None
+        out.vocab_out = n
         return out
 
     def weight_bytes(self) -> int:
@@ -171,8 +192,10 @@ class Decoder:
         total += self.embed.numel() * self.embed.element_size()
         total += self.norm.numel() * self.norm.element_size()
         head = self.lm_head
-        if head is not None and not (isinstance(getattr(head, "weight", None), torch.Tensor)
-                                     and head.weight.data_ptr() == self.embed.data_ptr()):
+        if head is not None and not (
+                isinstance(getattr(head, "weight", None), torch.Tensor)
+                and head.weight.untyped_storage().data_ptr()
+                == self.embed.untyped_storage().data_ptr()):  # a view of the tied table
             total += head.nbytes
         return total
 
@@ -215,9 +238,12 @@ class Decoder:
         if logit_indices is None:
             logit_indices = batch.last_token_indices()
         h = _rms_norm(x[logit_indices], self.norm, self.cfg.rms_norm_eps)
-        if self.lm_head is None:  # a tensor-parallel follower: no logits
+        if self.lm_head is None:  # no projection loaded
             return h.new_empty(h.shape[0], 0, dtype=torch.float32)
-        return self.lm_head(h).float()
+        logits = self.lm_head(h).float()
+        if self.shard.world > 1:  # this rank's vocabulary slice: joined on rank 0
+            return self.gather_vocab(logits)
+        return logits
 
     __call__ = forward
 

@@ -70,6 +70,28 @@ class Group:
 
         return all_reduce
 
+    def gather_vocab_fn(self, n: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Vocabulary-parallel output layer: each rank holds logits for its slice of the n
+        ids (ShardSpec.vocab_rows); rank 0 gets them joined into [rows, n], the others an
+        empty tensor. Slices are padded to one size for the collective."""
+        from specdec.sharding import ShardSpec
+
+        spans = [ShardSpec(r, self.world).vocab_rows(n) for r in range(self.world)]
+        per = max(len(s) for s in spans)
+        group, rank, world = self.compute, self.rank, self.world
+
+        def gather(x: torch.Tensor) -> torch.Tensor:
+            buf = x.new_zeros(x.shape[0], per)
+            buf[:, : x.shape[1]] = x
+            parts = [torch.empty_like(buf) for _ in range(world)]
+            # all_gather rather than gather: every backend (gloo, NCCL) has it.
+            dist.all_gather(parts, buf, group=group)
+            if rank != 0:
+                return x.new_empty(x.shape[0], 0)
+            return torch.cat([p[:, : len(s)] for p, s in zip(parts, spans, strict=True)], 1)
+
+        return gather
+
     def destroy(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -113,8 +135,12 @@ class LeaderDecoder:
     def __call__(self, batch: BatchInput, cache: KVCache,
                  logit_indices: torch.Tensor | None = None) -> torch.Tensor:
         if self.group.world > 1:
-            payload = encode_batch(batch)
-            header = torch.tensor([_STEP, payload.numel()], dtype=torch.long)
+            # Followers compute their vocabulary slice at the same positions: send them.
+            if logit_indices is None:
+                logit_indices = batch.last_token_indices()
+            idx = logit_indices.to(torch.long).cpu()
+            payload = torch.cat([encode_batch(batch), idx])
+            header = torch.tensor([_STEP, payload.numel(), idx.numel()], dtype=torch.long)
             dist.broadcast(header, src=0, group=self.group.control)
             dist.broadcast(payload, src=0, group=self.group.control)
         return self.local(batch, cache, logit_indices)
@@ -123,21 +149,22 @@ class LeaderDecoder:
 
     def stop_followers(self) -> None:
         if self.group.world > 1:
-            dist.broadcast(torch.tensor([_STOP, 0], dtype=torch.long), src=0,
+            dist.broadcast(torch.tensor([_STOP, 0, 0], dtype=torch.long), src=0,
                            group=self.group.control)
 
 
 def follow(local: Decoder, group: Group, cache: KVCache) -> int:
     """A follower's life: run every forward the leader announces until told to stop.
     Returns the number of forwards run. Raises if the group breaks (a rank died)."""
-    no_logits = torch.empty(0, dtype=torch.long, device=local.device)
     steps = 0
     while True:
-        header = torch.empty(2, dtype=torch.long)
+        header = torch.empty(3, dtype=torch.long)
         dist.broadcast(header, src=0, group=group.control)
         if int(header[0]) == _STOP:
             return steps
         payload = torch.empty(int(header[1]), dtype=torch.long)
         dist.broadcast(payload, src=0, group=group.control)
-        local(decode_batch(payload, local.device), cache, no_logits)
+        n_idx = int(header[2])
+        batch_part, idx = payload[: payload.numel() - n_idx], payload[payload.numel() - n_idx:]
+        local(decode_batch(batch_part, local.device), cache, idx.to(local.device))
         steps += 1

@@ -45,6 +45,12 @@ class ShardSpec:
         first_kv = self.kv_heads(cfg).start
         return [h // group - first_kv for h in self.q_heads(cfg)]
 
+    def vocab_rows(self, n: int) -> range:
+        """This rank's slice of the output layer's n rows (vocabulary-parallel): contiguous,
+        ceil(n / world) each, the last rank's shorter where n does not divide."""
+        per = -(-n // self.world)
+        return range(min(n, self.rank * per), min(n, (self.rank + 1) * per))
+
     def intermediate(self, cfg: DecoderConfig) -> range:
         per = cfg.intermediate_size // self.world
         return range(self.rank * per, (self.rank + 1) * per)

@@ -21,10 +21,10 @@ def tiny_gqa6(tmp_path_factory):
                                 num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
 
 
-def run_group(ckpt, world, seqs, tmp_path):
+def run_group(ckpt, world, seqs, tmp_path, vocab_limit=None):
     port = free_port()
     result = tmp_path / f"tp{world}.pt"
-    mp.start_processes(run_rank, args=(world, port, str(ckpt), seqs, str(result)),
+    mp.start_processes(run_rank, args=(world, port, str(ckpt), seqs, str(result), vocab_limit),
                        nprocs=world, join=True, start_method="spawn")
     return torch.load(result)
 
@@ -58,3 +58,29 @@ def test_kv_heads_are_replicated_where_ranks_straddle_groups():
     assert [list(kv) for _, kv in spans] == [[0], [0, 1], [1]]
     with pytest.raises(ValueError, match="must divide the model's attention heads"):
         ShardSpec(0, 4).check(cfg)
+
+
+def test_each_rank_projects_only_its_slice_of_the_vocabulary(tiny_llama, tiny_gqa6):
+    """Vocabulary-parallel output layer: the slices partition the ids (uneven where the
+    world does not divide the vocabulary), and no rank holds the whole projection."""
+    for ckpt, world in ((tiny_llama, 2), (tiny_gqa6, 3)):
+        cfg = DecoderConfig.from_checkpoint(ckpt)
+        for limit in (None, 61):
+            n = limit or cfg.vocab_size
+            spans = [ShardSpec(r, world).vocab_rows(n) for r in range(world)]
+            assert [i for s in spans for i in s] == list(range(n))
+            for r in range(world):
+                m = Decoder.from_checkpoint(ckpt, torch.float32, shard=ShardSpec(r, world),
+                                            vocab_limit=limit)
+                assert m.lm_head.out_features == len(spans[r]) < n and m.vocab_out == n
+
+
+def test_tp_logits_with_a_draft_vocabulary_limit(tiny_gqa6, tmp_path):
+    """A draft's vocabulary limit under TP=3: every rank limits its slice at load, and the
+    joined logits equal the single-process model's first 61 columns."""
+    expected = local_logits(tiny_gqa6, SEQS)
+    got = run_group(tiny_gqa6, 3, SEQS, tmp_path, vocab_limit=61)
+    for mode, e in expected.items():
+        assert got[mode].shape[-1] == 61
+        diff = (got[mode] - e[:, :61]).abs().max().item()
+        assert diff <= 1e-4, f"{mode}: max abs diff {diff}"

@@ -31,7 +31,8 @@ def scenario_logits(model, cache, seqs: list[list[int]]) -> dict[str, torch.Tens
     return out
 
 
-def run_rank(rank: int, world: int, port: int, ckpt: str, seqs, result_path: str) -> None:
+def run_rank(rank: int, world: int, port: int, ckpt: str, seqs, result_path: str,
+             vocab_limit: int | None = None) -> None:
     """Entry point of one spawned process: build the shard, lead or follow."""
     from specdec.model import Decoder
     from specdec.parallel import Group, LeaderDecoder, follow
@@ -40,8 +41,9 @@ def run_rank(rank: int, world: int, port: int, ckpt: str, seqs, result_path: str
     torch.set_num_threads(1)
     group = Group(rank, world, f"tcp://127.0.0.1:{port}", "cpu", timeout_s=60)
     local = Decoder.from_checkpoint(ckpt, torch.float32, shard=ShardSpec(rank, world),
-                                    with_lm_head=rank == 0)
+                                    vocab_limit=vocab_limit)
     local.all_reduce = group.all_reduce_fn()
+    local.gather_vocab = group.gather_vocab_fn(local.vocab_out)
     cache = local.new_cache(4, 128)
     if rank == 0:
         leader = LeaderDecoder(local, group, cache)
