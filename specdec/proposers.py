@@ -191,7 +191,10 @@ class DraftModelProposer:
             return [out[i.seq_id] for i in requested]
         seqs = [self._seq(i) for i in inputs]
         for s, i in zip(seqs, inputs, strict=True):
-            s.cached = s.valid_after(i.context)  # O(1) rollback of guesses not kept
+            # O(1) rollback of guesses not kept. A context the cache already holds whole
+            # (overlap: the next guesses trimmed below what was drafted) re-feeds its last
+            # token, whose logits the first forward needs.
+            s.cached = min(s.valid_after(i.context), len(i.context) - 1)
         # Drafting uses the request's warp; a greedy draft proposes argmax (temperature 0).
         dparams = [SamplingParams(temperature=0.0) if self.sampling == "greedy" else i.params
                    for i in inputs]
