@@ -219,3 +219,20 @@ def test_auto_overlap_is_token_identical_while_switching_modes(pair):
     for i, e in enumerate(expected):
         assert out[f"r{i}"].token_ids == e
     assert True in modes and False in modes  # it switched both ways mid-request
+
+
+def test_guesses_trimmed_below_what_was_drafted_keep_the_window_working(pair, caplog):
+    """k falls between steps (the policy's choice, or the end of max_tokens): the next
+    step verifies fewer guesses than the draft made, so the draft's cache already holds the
+    whole new context. The window still drafts (no failed window, nothing settled plainly)
+    and the output stays identical."""
+    target, draft = pair
+    prompts = random_prompts((5, 9, 14), seed=6)
+    expected = plain_reference(target, prompts, 40)
+    engine = make_engine(target, draft, overlap="on")
+    engine.choose_k = lambda eng, req, spec, running: 6 if eng.steps % 2 else 2
+    with caplog.at_level("WARNING"):
+        out = engine.run(requests(prompts, greedy(40), "draft", 6))
+    for i, e in enumerate(expected):
+        assert out[f"r{i}"].token_ids == e
+    assert not [r for r in caplog.records if "draft window failed" in r.getMessage()]
