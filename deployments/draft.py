@@ -53,12 +53,11 @@ class RayDraftProposer:
         ref, sent = self._submit("draft_propose", inputs)
         return self._result(ref, sent)
 
-    def start_window(self, inputs: list[ProposeInput],
-                     budget_s: float | None = None) -> _RayWindow:
-        """Overlap (specdec/overlap.py): the draft actor drafts until stopped (or until
-        another forward would outlast budget_s), while the engine waits on the target."""
+    def start_window(self, inputs: list[ProposeInput]) -> _RayWindow:
+        """Overlap (specdec/overlap.py): the draft actor drafts until stopped, while the
+        engine's thread waits on the target group."""
         self._window_id += 1
-        ref, sent = self._submit("draft_window", inputs, self._window_id, budget_s)
+        ref, sent = self._submit("draft_window", inputs, self._window_id)
         return _RayWindow(self, ref, sent, self._window_id)
 
     def _submit(self, method: str, inputs: list[ProposeInput], *extra):

@@ -149,8 +149,8 @@ class ModelShard:
         return self.proposer.propose(inputs), time.perf_counter() - t0
 
     @ray.method(concurrency_group="compute")
-    def draft_window(self, deltas: list[ContextDelta], released: list[str], window_id: int,
-                     budget_s: float | None = None) -> tuple[list[Proposal], float]:
+    def draft_window(self, deltas: list[ContextDelta], released: list[str], window_id: int
+                     ) -> tuple[list[Proposal], float]:
         """Overlap (specdec/overlap.py): draft until stop_window(window_id) arrives on the
         control thread (at least one forward), while the target verifies elsewhere."""
         assert self.proposer is not None
@@ -164,8 +164,7 @@ class ModelShard:
         inputs = self.contexts.decode(deltas)
         for seq_id, keep in self.contexts.rewound.items():
             self.proposer.accepted(seq_id, keep)
-        out = self.proposer.propose(inputs, should_stop=lambda: window_id in self._stopped,
-                                    budget_s=budget_s)
+        out = self.proposer.propose(inputs, should_stop=lambda: window_id in self._stopped)
         return out, time.perf_counter() - t0
 
     @ray.method(concurrency_group="control")

@@ -119,9 +119,6 @@ class Engine:
         # plan differs between sequential and overlapped steps).
         self.on_mode: Callable[[bool], None] | None = None
         self._last_mode: bool | None = None
-        # Overlap: the target's recent step time; the draft starts no forward that would
-        # end after it (a forward still running when the target is done is pure wait).
-        self._verify_ewma: float | None = None
 
     # ---- submission (thread-safe) -------------------------------------------------------
 
@@ -217,7 +214,7 @@ class Engine:
         window = None
         if windows:  # the draft starts now and works while the target verifies
             try:
-                window = self.proposers["draft"].start_window(windows, self._verify_ewma)
+                window = self.proposers["draft"].start_window(windows)
             except Exception as exc:  # noqa: BLE001 - a lost draft: plain draws this step
                 log.warning("draft window failed to start: %s", exc)
         try:
@@ -232,9 +229,6 @@ class Engine:
             raise
         t1 = time.perf_counter()
         rec.verify_s = t1 - t0
-        if windows:  # the draft's time budget for the next overlapped step
-            e = self._verify_ewma
-            self._verify_ewma = rec.verify_s if e is None else 0.8 * e + 0.2 * rec.verify_s
         resolved, heads, window_out = self._settle(window, windows, results, rec)
         t2 = time.perf_counter()
         call = getattr(self.target, "last_call", None)

@@ -46,8 +46,8 @@ class ThreadWindow:
     the GIL, so it computes at the same time as the target on the caller's thread)."""
 
     def __init__(self, propose: Callable, inputs: list[ProposeInput],
-                 threads: int | None = None, budget_s: float | None = None) -> None:
-        self._threads, self._budget = threads, budget_s
+                 threads: int | None = None) -> None:
+        self._threads = threads
         self._stop = threading.Event()
         self._out: list[Proposal] | None = None
         self._error: BaseException | None = None
@@ -63,7 +63,7 @@ class ThreadWindow:
 
             torch.set_num_threads(self._threads)
         try:
-            self._out = propose(inputs, should_stop=self._stop.is_set, budget_s=self._budget)
+            self._out = propose(inputs, should_stop=self._stop.is_set)
         except BaseException as exc:  # noqa: BLE001 - surfaced by result()
             self._error = exc
 

@@ -8,7 +8,6 @@ exact. Plain decoding is "no proposer" (k = 0).
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, Protocol
@@ -172,25 +171,19 @@ class DraftModelProposer:
             self._seqs[inp.seq_id] = s
         return s
 
-    def start_window(self, inputs: list[ProposeInput],
-                     budget_s: float | None = None) -> DraftWindow:
+    def start_window(self, inputs: list[ProposeInput]) -> DraftWindow:
         """Draft in the background (overlap with the target's step) until stopped: see
-        specdec/overlap.py. Each row's k is its cap; at least one guess per row; no forward
-        is started that would end after budget_s (the target's expected step time)."""
+        specdec/overlap.py. Each row's k is its cap; at least one guess per row."""
         from specdec.overlap import ThreadWindow
 
-        return ThreadWindow(self.propose, inputs, self.window_threads, budget_s)
+        return ThreadWindow(self.propose, inputs, self.window_threads)
 
     @torch.inference_mode()
     def propose(self, inputs: list[ProposeInput],
-                should_stop: Callable[[], bool] | None = None,
-                budget_s: float | None = None) -> list[Proposal]:
+                should_stop: Callable[[], bool] | None = None) -> list[Proposal]:
         """Guesses for each row, up to its k. should_stop is asked before every forward
-        after the first: once it says so, every row ends its proposal there; likewise once
-        another forward (as long as the last one) would end after budget_s. The length then
-        depends on timing, never on the target's verdict: still exact."""
-        t_start = time.perf_counter()
-        t_last = 0.0
+        after the first: once it says so, every row ends its proposal there (the length
+        then depends on the target's timing, never on its verdict: still exact)."""
         requested = inputs
         inputs = [i for i in requested if i.k > 0]
         out = {i.seq_id: Proposal([]) for i in requested}
@@ -215,9 +208,6 @@ class DraftModelProposer:
         for step in range(max(i.k for i in inputs)):
             if step and should_stop is not None and should_stop():
                 break
-            t_fwd = time.perf_counter()
-            if step and budget_s is not None and t_fwd - t_start + t_last > budget_s:
-                break  # it would still be computing when the target is done
             logits = self.model(BatchInput.build(rows, self.model.device), self.cache)
             if self.vocab_limit is not None:
                 # Guesses only from the first vocab_limit ids (q is zero elsewhere): exact
@@ -233,8 +223,6 @@ class DraftModelProposer:
                 local = sample(probs, [seqs[b].generator for b in live]).unsqueeze(1)
                 picks = ids.gather(1, local).squeeze(1).tolist()
                 conf = probs.gather(1, local).squeeze(1)
-            if step:  # (step 0 also catches up the context: not a typical forward)
-                t_last = time.perf_counter() - t_fwd
             sure = self._sure(conf)
             next_rows, next_live = [], []
             for j, b in enumerate(live):

@@ -147,16 +147,16 @@ class _DyingDraft:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def start_window(self, inputs, budget_s=None):
+    def start_window(self, inputs):
         self.windows += 1
         if self.windows >= self.fail_from:
             raise RuntimeError("draft actor died")
-        return self.inner.start_window(inputs, budget_s)
+        return self.inner.start_window(inputs)
 
-    def propose(self, inputs, should_stop=None, budget_s=None):
+    def propose(self, inputs, should_stop=None):
         if self.windows >= self.fail_from:
             raise RuntimeError("draft actor died")
-        return self.inner.propose(inputs, should_stop, budget_s)
+        return self.inner.propose(inputs, should_stop)
 
 
 def test_lost_draft_mid_overlap_fails_no_request(pair):
@@ -236,17 +236,3 @@ def test_guesses_trimmed_below_what_was_drafted_keep_the_window_working(pair, ca
     for i, e in enumerate(expected):
         assert out[f"r{i}"].token_ids == e
     assert not [r for r in caplog.records if "draft window failed" in r.getMessage()]
-
-
-def test_window_starts_no_forward_past_its_time_budget(tiny_llama, tiny_llama_draft):
-    """A zero budget: only the first forward (one guess per row); no budget: up to k."""
-    from engine_helpers import load
-
-    from specdec.proposers import DraftModelProposer, ProposeInput
-
-    draft = DraftModelProposer(load(tiny_llama_draft), 4, 64, "greedy")
-    ctx = random_prompts((7, 5), seed=9)
-    inputs = [ProposeInput(f"s{i}", c, 5, greedy()) for i, c in enumerate(ctx)]
-    assert [len(p.token_ids) for p in draft.propose(inputs, budget_s=0.0)] == [1, 1]
-    again = [ProposeInput(f"t{i}", c, 5, greedy()) for i, c in enumerate(ctx)]
-    assert [len(p.token_ids) for p in draft.propose(again, budget_s=None)] == [5, 5]
