@@ -14,6 +14,7 @@ between the actors per step, and the HTTP + Serve overhead per request.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import gc
 import json
@@ -27,6 +28,7 @@ from deployments.launch import free_port, local_ray
 from specdec import hub
 from specdec.assemble import LocalBackend, assemble
 from specdec.bench.prompts import PROMPT_SETS
+from specdec.bench.serve import http_overhead
 from specdec.bench.table import median, percentile, print_table, write_json
 from specdec.cli_generate import spec_from_config
 from specdec.engine_config import EngineSpec
@@ -170,7 +172,8 @@ def _served_rows(args, apps: list[tuple[str, dict, list]], prompts, progress
                         rows.append(_served_row(c, model, args, prompts, progress, wanted,
                                                 config + label, app_args))
                     if n == 0:
-                        overhead = _overhead(c, model)
+                        overhead = asyncio.run(http_overhead(f"http://127.0.0.1:{port}",
+                                                             model))
                         overhead["ready_s"] = ready_s
                 serve.delete("specdec")
         finally:
@@ -241,22 +244,6 @@ def _one_http(c: httpx.Client, model: str, text: str, chat: bool, max_tokens: in
     return {"tokens": usage.get("completion_tokens", 0), "latency": latency,
             "ttft": (first or t0) - t0, "engine_s": sd.get("engine_s") or latency,
             "mal": sd.get("mean_acceptance_length")}
-
-
-def _overhead(c: httpx.Client, model: str, n: int = 20) -> dict:
-    """1-token requests: HTTP latency against the time inside the engine replica."""
-    lat, inside = [], []
-    for _ in range(n):
-        t = time.perf_counter()
-        r = c.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 1,
-                                            "speculative": {"mode": "off"}})
-        r.raise_for_status()
-        lat.append(time.perf_counter() - t)
-        inside.append(r.json()["spec_decode"]["engine_s"])
-    over = [a - b for a, b in zip(lat, inside, strict=True)]
-    return {"http_latency_p50_ms": 1000 * median(lat), "engine_p50_ms": 1000 * median(inside),
-            "http_plus_serve_p50_ms": 1000 * median(over),
-            "http_plus_serve_p90_ms": 1000 * percentile(over, 90)}
 
 
 # ---- the run ------------------------------------------------------------------------------

@@ -138,14 +138,8 @@ class ModelShard:
     @ray.method(concurrency_group="compute")
     def draft_propose(self, deltas: list[ContextDelta], released: list[str]
                       ) -> tuple[list[Proposal], float]:
-        assert self.proposer is not None
         t0 = time.perf_counter()
-        for seq_id in released:
-            self.proposer.release(seq_id)
-            self.contexts.release(seq_id)
-        inputs = self.contexts.decode(deltas)
-        for seq_id, keep in self.contexts.rewound.items():
-            self.proposer.accepted(seq_id, keep)
+        inputs = self._draft_inputs(deltas, released)
         return self.proposer.propose(inputs), time.perf_counter() - t0
 
     @ray.method(concurrency_group="compute")
@@ -153,19 +147,25 @@ class ModelShard:
                      ) -> tuple[list[Proposal], float]:
         """Overlap (specdec/overlap.py): draft until stop_window(window_id) arrives on the
         control thread (at least one forward), while the target verifies elsewhere."""
-        assert self.proposer is not None
         t0 = time.perf_counter()
         # A stop may arrive before its window starts, or after it ended: keep only the
         # marks of this window and later ones.
         self._stopped = {w for w in self._stopped if w >= window_id}
+        inputs = self._draft_inputs(deltas, released)
+        out = self.proposer.propose(inputs, should_stop=lambda: window_id in self._stopped)
+        return out, time.perf_counter() - t0
+
+    def _draft_inputs(self, deltas: list[ContextDelta], released: list[str]):
+        """Apply what the engine sent (finished sequences, context deltas, rewinds) and
+        return this call's proposer inputs."""
+        assert self.proposer is not None
         for seq_id in released:
             self.proposer.release(seq_id)
             self.contexts.release(seq_id)
         inputs = self.contexts.decode(deltas)
         for seq_id, keep in self.contexts.rewound.items():
             self.proposer.accepted(seq_id, keep)
-        out = self.proposer.propose(inputs, should_stop=lambda: window_id in self._stopped)
-        return out, time.perf_counter() - t0
+        return inputs
 
     @ray.method(concurrency_group="control")
     def stop_window(self, window_id: int) -> None:

@@ -105,7 +105,7 @@ async def _level(base: str, model: str, policy: str, k: int, clients: int,
             "k_mean": sum(r["k"] for r in spec) / len(spec) if spec else 0.0}
 
 
-async def _overhead(base: str, model: str, n: int = 20) -> dict:
+async def http_overhead(base: str, model: str, n: int = 20) -> dict:
     """1-token plain requests: end-to-end HTTP latency against the time the same request
     spent inside the engine replica (reported by the service as spec_decode.engine_s)."""
     lat, inside = [], []
@@ -173,7 +173,7 @@ def main(args) -> int:
                     rows.append(await _level(args.url, args.model, policy, args.k, c,
                                              args.requests_per_client, args.max_tokens,
                                              progress, temperature))
-        return await _overhead(args.url, args.model)
+        return await http_overhead(args.url, args.model)
 
     overhead = asyncio.run(sweep())
     progress.close()
