@@ -91,8 +91,7 @@ class ModelShard:
         limit = self.extra.get("vocab_limit") if self.role == "draft" else None
         local = Decoder.from_checkpoint(path, self.dtype, self.device,
                                         ShardSpec(self.rank, self.world), vocab_limit=limit)
-        local.all_reduce = self.group.all_reduce_fn()
-        local.gather_vocab = self.group.gather_vocab_fn(local.vocab_out)
+        self.group.attach(local)
         cache = local.new_cache(self.max_slots, self.max_len)
         self.local, self.cache = local, cache
         if self.rank == 0:

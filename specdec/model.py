@@ -89,6 +89,9 @@ class Decoder:
         # Tensor-parallel: joins the ranks' vocabulary slices into full logits on rank 0
         # (followers get an empty tensor). Set by the group (specdec.parallel).
         self.gather_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Tensor-parallel greedy: the ranks' slice maxima reduced to the global argmax ids on
+        # rank 0, so no logits cross between ranks. Set by the group with gather_vocab.
+        self.argmax_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._rotary: Rotary | None = None
 
     # ---- construction -------------------------------------------------------------------
@@ -219,11 +222,15 @@ class Decoder:
 
     @torch.inference_mode()
     def forward(self, batch: BatchInput, cache: KVCache,
-                logit_indices: torch.Tensor | None = None) -> torch.Tensor:
+                logit_indices: torch.Tensor | None = None, argmax: bool = False
+                ) -> torch.Tensor:
         """Run the new tokens of every row; return fp32 logits [N, vocab].
 
         logit_indices picks which flat tokens get logits (default: each row's last token),
         so a long prefill does not pay for a vocabulary projection at every position.
+        argmax: return only the argmax ids [N] (int64) instead, for greedy rows; under
+        tensor parallelism that is a reduction of each rank's slice maximum, not a gather
+        of every rank's logits.
         """
         if batch.kv_len > cache.max_len:
             raise ValueError(f"sequence length {batch.kv_len} exceeds the cache ({cache.max_len})")
@@ -242,8 +249,8 @@ class Decoder:
             return h.new_empty(h.shape[0], 0, dtype=torch.float32)
         logits = self.lm_head(h).float()
         if self.shard.world > 1:  # this rank's vocabulary slice: joined on rank 0
-            return self.gather_vocab(logits)
-        return logits
+            return self.argmax_vocab(logits) if argmax else self.gather_vocab(logits)
+        return logits.argmax(-1) if argmax else logits
 
     __call__ = forward
 

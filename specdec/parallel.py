@@ -4,8 +4,10 @@ Every rank holds a `Decoder` built from its own slice of the checkpoint (see sha
 and a KV cache for its own heads. Rank 0 leads: each forward it broadcasts the batch
 description (slots, start positions, new tokens) to the followers over a CPU (gloo) control
 group, then all ranks run the forward together, meeting in one all_reduce after attention
-and one after the MLP. Only rank 0 computes logits (the vocabulary projection is loaded on
-rank 0 alone); followers never see sampling, and nothing but tokens leaves rank 0.
+and one after the MLP. The vocabulary projection is split by rows (vocabulary-parallel):
+each rank scores its slice of the ids, and rank 0 gets either the joined logits (sampled
+rows) or, for all-greedy batches, only the argmax ids from a reduction of each slice's
+maximum. Followers never see sampling, and nothing but tokens leaves rank 0.
 
 `LeaderDecoder` looks like a `Decoder` to whoever drives rank 0 (the target runner, the
 draft proposer), so the engine code is the same for one process and for N.
@@ -59,6 +61,14 @@ class Group:
         self.compute = dist.group.WORLD
         self.control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
 
+    def attach(self, local: Decoder) -> Decoder:
+        """Wire this rank's model to the group: the all_reduces of its row-parallel layers
+        and the two reductions of its vocabulary slice (joined logits, argmax)."""
+        local.all_reduce = self.all_reduce_fn()
+        local.gather_vocab = self.gather_vocab_fn(local.vocab_out)
+        local.argmax_vocab = self.argmax_vocab_fn(local.vocab_out)
+        return local
+
     def all_reduce_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
         if self.world == 1:
             return _identity
@@ -92,9 +102,42 @@ class Group:
 
         return gather
 
+    def argmax_vocab_fn(self, n: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Distributed argmax over the vocabulary-parallel output layer: each rank reduces
+        its slice to (max, global id) per row and only those 2 numbers a row cross; rank 0
+        gets the ids [rows], the others an empty tensor."""
+        from specdec.sharding import ShardSpec
+
+        offset = ShardSpec(self.rank, self.world).vocab_rows(n).start
+        group, rank, world = self.compute, self.rank, self.world
+
+        def argmax(x: torch.Tensor) -> torch.Tensor:
+            # float64 carries any vocabulary id exactly, and every fp32 logit.
+            if x.shape[1]:
+                best, ids = x.max(-1)
+                mine = torch.stack([best.double(), (ids + offset).double()])
+            else:  # a rank whose slice is empty never wins
+                mine = x.new_full((2, x.shape[0]), float("-inf"), dtype=torch.float64)
+            parts = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(parts, mine, group=group)
+            if rank != 0:
+                return torch.empty(0, dtype=torch.long, device=x.device)
+            both = torch.stack(parts)  # [world, 2, rows]
+            return pick_argmax(both[:, 0], both[:, 1].long())
+
+        return argmax
+
     def destroy(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def pick_argmax(best: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The global argmax from each rank's slice maximum best[world, rows] at ids[world,
+    rows]. Ties go to the lowest id, as torch.argmax over the whole row does (the first
+    maximum): slices ascend with rank, and max() is first-occurrence within a slice."""
+    winner = best.argmax(0)  # the first (lowest) rank among equal maxima
+    return ids.gather(0, winner.unsqueeze(0)).squeeze(0)
 
 
 def encode_batch(batch: BatchInput) -> torch.Tensor:
@@ -133,23 +176,26 @@ class LeaderDecoder:
         return self.cache
 
     def __call__(self, batch: BatchInput, cache: KVCache,
-                 logit_indices: torch.Tensor | None = None) -> torch.Tensor:
+                 logit_indices: torch.Tensor | None = None, argmax: bool = False
+                 ) -> torch.Tensor:
         if self.group.world > 1:
-            # Followers compute their vocabulary slice at the same positions: send them.
+            # Followers compute their vocabulary slice at the same positions, and take part
+            # in the same reduction (gather or argmax): send them both.
             if logit_indices is None:
                 logit_indices = batch.last_token_indices()
             idx = logit_indices.to(torch.long).cpu()
             payload = torch.cat([encode_batch(batch), idx])
-            header = torch.tensor([_STEP, payload.numel(), idx.numel()], dtype=torch.long)
+            header = torch.tensor([_STEP, payload.numel(), idx.numel(), int(argmax)],
+                                  dtype=torch.long)
             dist.broadcast(header, src=0, group=self.group.control)
             dist.broadcast(payload, src=0, group=self.group.control)
-        return self.local(batch, cache, logit_indices)
+        return self.local(batch, cache, logit_indices, argmax=argmax)
 
     forward = __call__
 
     def stop_followers(self) -> None:
         if self.group.world > 1:
-            dist.broadcast(torch.tensor([_STOP, 0, 0], dtype=torch.long), src=0,
+            dist.broadcast(torch.tensor([_STOP, 0, 0, 0], dtype=torch.long), src=0,
                            group=self.group.control)
 
 
@@ -158,7 +204,7 @@ def follow(local: Decoder, group: Group, cache: KVCache) -> int:
     Returns the number of forwards run. Raises if the group breaks (a rank died)."""
     steps = 0
     while True:
-        header = torch.empty(3, dtype=torch.long)
+        header = torch.empty(4, dtype=torch.long)
         dist.broadcast(header, src=0, group=group.control)
         if int(header[0]) == _STOP:
             return steps
@@ -166,5 +212,6 @@ def follow(local: Decoder, group: Group, cache: KVCache) -> int:
         dist.broadcast(payload, src=0, group=group.control)
         n_idx = int(header[2])
         batch_part, idx = payload[: payload.numel() - n_idx], payload[payload.numel() - n_idx:]
-        local(decode_batch(batch_part, local.device), cache, idx.to(local.device))
+        local(decode_batch(batch_part, local.device), cache, idx.to(local.device),
+              argmax=bool(header[3]))
         steps += 1

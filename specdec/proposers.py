@@ -208,16 +208,20 @@ class DraftModelProposer:
         for step in range(max(i.k for i in inputs)):
             if step and should_stop is not None and should_stop():
                 break
-            logits = self.model(BatchInput.build(rows, self.model.device), self.cache)
-            if self.vocab_limit is not None:
-                # Guesses only from the first vocab_limit ids (q is zero elsewhere): exact
-                # still, and the draft's vocabulary projection shrinks accordingly.
-                logits = logits[:, : self.vocab_limit]
-            if all(dparams[b].greedy for b in live):
-                picks = logits.argmax(-1).tolist()  # one-hot q: ids suffice
+            # Guesses come only from the first vocab_limit ids (q is zero elsewhere): exact
+            # still; the projection was narrowed to them at construction. Greedy guesses
+            # need only the argmax ids (a reduction under TP; one-hot q), unless the
+            # confidence rule wants the guess's probability.
+            greedy = all(dparams[b].greedy for b in live)
+            ids_only = greedy and self.confidence_threshold is None
+            logits = self.model(BatchInput.build(rows, self.model.device), self.cache,
+                                argmax=ids_only)
+            if ids_only:
+                picks, ids, probs, conf = logits.tolist(), None, None, None
+            elif greedy:
+                picks = logits.argmax(-1).tolist()
                 ids = probs = None
-                conf = self._greedy_confidence(logits, picks) \
-                    if self.confidence_threshold is not None else None
+                conf = self._greedy_confidence(logits, picks)
             else:
                 ids, probs = self._top_m(warp_probs(logits, [dparams[b] for b in live]))
                 local = sample(probs, [seqs[b].generator for b in live]).unsqueeze(1)

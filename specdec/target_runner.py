@@ -2,7 +2,8 @@
 
 One step = ONE target forward over a ragged batch (plain rows 1 token, speculative rows
 pending + k draft tokens, prefill chunks), then the rejection sampler on the owner's full
-logits. Only tokens leave the runner, never logits: that keeps the tensor-parallel group's
+logits (an all-greedy batch asks the model for argmax ids only: under tensor parallelism a
+reduction of each rank's slice maximum). Only tokens leave the runner, never logits: that keeps the tensor-parallel group's
 reply small. `LocalTargetRunner` runs in-process; the Ray group implements the same protocol.
 """
 
@@ -90,20 +91,22 @@ def verify_step(model: Decoder, cache: KVCache, rows: list[TargetRow],
         if r.sample:
             idx.extend(range(end - r.num_draft - 1, end))
         offset = end
-    logits = model(batch, cache, torch.tensor(idx, dtype=torch.long, device=model.device))
+    chosen = [rows[i] for i in sampled]
+    # All-greedy batches need only the argmax (under TP a reduction, not a logits gather).
+    greedy = bool(chosen) and all(params[r.seq_id].greedy for r in chosen)
+    out = model(batch, cache, torch.tensor(idx, dtype=torch.long, device=model.device),
+                argmax=greedy)
     if not sampled:
         return []
-    chosen = [rows[i] for i in sampled]
-    if all(params[r.seq_id].greedy for r in chosen):
-        return _greedy_rows(chosen, logits, deferred)
-    return _sample_rows(chosen, logits, params, generators, deferred)
+    if greedy:
+        return _greedy_rows(chosen, out.tolist(), deferred)
+    return _sample_rows(chosen, out, params, generators, deferred)
 
 
-def _greedy_rows(rows: list[TargetRow], logits: torch.Tensor,
+def _greedy_rows(rows: list[TargetRow], best: list[int],
                  deferred: dict | None) -> list[TargetResult]:
-    """All-greedy batches need only the argmax: the same rule as the sampler's greedy path,
-    without building probability tensors over the vocabulary."""
-    best = logits.argmax(-1).tolist()
+    """The sampler's greedy rule on the target's argmax ids alone, without building
+    probability tensors over the vocabulary."""
     out, off = [], 0
     for r in rows:
         n = r.num_draft

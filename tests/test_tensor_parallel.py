@@ -11,6 +11,7 @@ from tp_scenarios import free_port, run_rank, scenario_logits
 
 from specdec.config import DecoderConfig
 from specdec.model import Decoder
+from specdec.parallel import pick_argmax
 from specdec.sharding import ShardSpec
 
 
@@ -47,6 +48,9 @@ def test_tp_logits_equal_single_process(world, fixture, request, tmp_path):
         diff = (got[mode] - e).abs().max().item()
         assert diff <= 1e-4, f"TP={world} {mode}: max abs diff {diff}"
         assert torch.equal(got[mode].argmax(-1), e.argmax(-1)), mode
+        # Greedy forwards: the distributed argmax (slice maxima, no logits gathered).
+        ids = got[f"{mode}:argmax"]
+        assert ids.dtype == torch.long and torch.equal(ids, e.argmax(-1)), mode
 
 
 def test_kv_heads_are_replicated_where_ranks_straddle_groups():
@@ -82,5 +86,25 @@ def test_tp_logits_with_a_draft_vocabulary_limit(tiny_gqa6, tmp_path):
     got = run_group(tiny_gqa6, 3, SEQS, tmp_path, vocab_limit=61)
     for mode, e in expected.items():
         assert got[mode].shape[-1] == 61
+        assert torch.equal(got[f"{mode}:argmax"], e[:, :61].argmax(-1)), mode
         diff = (got[mode] - e[:, :61]).abs().max().item()
         assert diff <= 1e-4, f"{mode}: max abs diff {diff}"
+
+
+def test_distributed_argmax_breaks_ties_as_the_whole_row_does():
+    """Each rank's slice maximum and its global id; the pick must equal torch.argmax over the
+    joined row, including ties across ranks (the lowest id wins) and a rank whose slice is
+    all -inf (an empty slice)."""
+    gen = torch.Generator().manual_seed(0)
+    spans = [range(0, 4), range(4, 8), range(8, 10)]
+    for trial in range(200):
+        row = torch.randint(0, 3, (5, 10), generator=gen).float()  # many exact ties
+        if trial % 7 == 0:
+            row[:, 8:] = float("-inf")
+        best, ids = [], []
+        for s in spans:
+            v, i = row[:, s.start:s.stop].max(-1)
+            best.append(v.double())
+            ids.append(i + s.start)
+        got = pick_argmax(torch.stack(best), torch.stack(ids))
+        assert torch.equal(got, row.argmax(-1)), row

@@ -15,19 +15,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def scenario_logits(model, cache, seqs: list[list[int]]) -> dict[str, torch.Tensor]:
-    """Prefill, step-by-step decode, ragged batch, mixed decode/verify, rollback."""
+def scenario_logits(model, cache, seqs: list[list[int]], argmax: bool = False
+                    ) -> dict[str, torch.Tensor]:
+    """Prefill, step-by-step decode, ragged batch, mixed decode/verify, rollback.
+    argmax: the same forwards asking for argmax ids only (they rewrite the same cache
+    positions with the same values, so the scenario can run twice on one cache)."""
     out = {}
     a = seqs[0]
-    out["prefill"] = model(BatchInput.build([(0, 0, a)]), cache, torch.arange(len(a)))
-    out["decode"] = torch.cat([model(BatchInput.build([(1, i, [t])]), cache)
+    out["prefill"] = model(BatchInput.build([(0, 0, a)]), cache, torch.arange(len(a)),
+                           argmax=argmax)
+    out["decode"] = torch.cat([model(BatchInput.build([(1, i, [t])]), cache, argmax=argmax)
                                for i, t in enumerate(a)])
     rows = [(3, 0, seqs[0]), (0, 0, seqs[1]), (2, 0, seqs[2])]
     n = sum(len(s) for s in seqs)
-    out["ragged"] = model(BatchInput.build(rows), cache, torch.arange(n))
+    out["ragged"] = model(BatchInput.build(rows), cache, torch.arange(n), argmax=argmax)
     rows = [(3, len(seqs[0]), [5]), (0, len(seqs[1]), [7, 8, 9])]
-    out["mixed"] = model(BatchInput.build(rows), cache, torch.arange(4))
-    out["rollback"] = model(BatchInput.build([(0, 4, [11, 12, 13])]), cache, torch.arange(3))
+    out["mixed"] = model(BatchInput.build(rows), cache, torch.arange(4), argmax=argmax)
+    out["rollback"] = model(BatchInput.build([(0, 4, [11, 12, 13])]), cache, torch.arange(3),
+                            argmax=argmax)
     return out
 
 
@@ -42,12 +47,13 @@ def run_rank(rank: int, world: int, port: int, ckpt: str, seqs, result_path: str
     group = Group(rank, world, f"tcp://127.0.0.1:{port}", "cpu", timeout_s=60)
     local = Decoder.from_checkpoint(ckpt, torch.float32, shard=ShardSpec(rank, world),
                                     vocab_limit=vocab_limit)
-    local.all_reduce = group.all_reduce_fn()
-    local.gather_vocab = group.gather_vocab_fn(local.vocab_out)
+    group.attach(local)
     cache = local.new_cache(4, 128)
     if rank == 0:
         leader = LeaderDecoder(local, group, cache)
         logits = scenario_logits(leader, cache, seqs)
+        logits.update({f"{mode}:argmax": ids for mode, ids
+                       in scenario_logits(leader, cache, seqs, argmax=True).items()})
         leader.stop_followers()
         torch.save(logits, result_path)
     else:
