@@ -10,6 +10,10 @@ Each row is the median tokens/s over prompts x repeats, with the quartiles so a 
 tell a 5% difference from noise. The served rows also report the per-step timeline the
 engine replica measured (where a step's time goes, per actor) and the bytes that crossed
 between the actors per step, and the HTTP + Serve overhead per request.
+
+--paired measures the in-process and served rows alternately, request by request, with
+both engines loaded: on a shared machine whose speed drifts over minutes, back-to-back
+blocks can differ by 15-20% for the same engine, which would swamp their ratio.
 """
 
 from __future__ import annotations
@@ -119,15 +123,10 @@ def _local_rows(args, spec, prompts, progress, modes=None, label="") -> list[dic
             rates, mal = [], []
             for _ in range(args.repeats):
                 for text, chat in prompts:
-                    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
-                                            ignore_eos=True)
-                    built.engine.history.clear()
-                    t = time.perf_counter()
-                    req, decision = built.submit("bench", _ids(tok, text, chat), params, wanted)
-                    final = _drain(built.engine, "bench")
-                    rates.append(len(final.token_ids) / (time.perf_counter() - t))
-                    if final.spec.mean_acceptance_length:
-                        mal.append(final.spec.mean_acceptance_length)
+                    rate, m = _one_local(built, _ids(tok, text, chat), args.max_tokens, wanted)
+                    rates.append(rate)
+                    if m:
+                        mal.append(m)
                     progress.advance()
             rows.append(_row("ours, in process", config + label, rates, dtype=spec.target.dtype,
                              mean_acceptance_length=median(mal) if mal else None,
@@ -138,6 +137,18 @@ def _local_rows(args, spec, prompts, progress, modes=None, label="") -> list[dic
         gc.collect()
         torch.set_num_threads(threads)  # assemble set this process's threads for its spec
     return rows
+
+
+def _one_local(built, ids: list[int], max_tokens: int, wanted: Overrides
+               ) -> tuple[float, float | None]:
+    """One greedy request through the in-process engine: (tokens/s, mean acceptance)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    built.engine.history.clear()
+    t = time.perf_counter()
+    built.submit("bench", ids, params, wanted)
+    final = _drain(built.engine, "bench")
+    return (len(final.token_ids) / (time.perf_counter() - t),
+            final.spec.mean_acceptance_length or None)
 
 
 def _drain(engine, rid: str):
@@ -159,6 +170,8 @@ def _served_rows(args, apps: list[tuple[str, dict, list]], prompts, progress
     port = free_port()
     rows: list[dict] = []
     overhead: dict = {}
+    if not apps:
+        return rows, overhead
     with local_ray(num_cpus=os.cpu_count() or 2, quiet_serve=True):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         try:
@@ -179,6 +192,59 @@ def _served_rows(args, apps: list[tuple[str, dict, list]], prompts, progress
         finally:
             serve.shutdown()
     return rows, overhead
+
+
+def _paired_rows(args, spec, app_args: dict, prompts, progress
+                 ) -> tuple[list[dict], dict]:
+    """In-process and served rows measured alternately, request by request: the same
+    prompt through the engine in this process, then through the app over HTTP. A machine
+    whose speed drifts over minutes (a shared host) then moves both sides alike, so their
+    ratio is fair. Both engines are loaded for the whole run; the idle one computes
+    nothing (the app's Ray and Serve processes still tick, for both sides alike)."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    port = free_port()
+    model = app_args.get("model_name") or app_args["target"]["model"]
+    modes = _modes(args.k)
+    local = {c: ([], []) for c, _ in modes}
+    served = {c: ([], []) for c, _ in modes}
+    with local_ray(num_cpus=os.cpu_count() or 2, quiet_serve=True):
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        try:
+            serve.run(build_app(app_args), name="specdec", route_prefix="/")
+            threads = torch.get_num_threads()
+            built = assemble(spec, LocalBackend())
+            try:
+                with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=1800) as c:
+                    for _ in range(args.repeats):
+                        for config, wanted in modes:
+                            body = {k: v for k, v in {"mode": wanted.mode, "method": wanted.method,
+                                                      "k": wanted.k}.items() if v is not None}
+                            for text, chat in prompts:
+                                rate, m = _one_local(built, _ids(built.tokenizer, text, chat),
+                                                     args.max_tokens, wanted)
+                                local[config][0].append(rate)
+                                local[config][1].extend([m] if m else [])
+                                r = _one_http(c, model, text, chat, args.max_tokens, body)
+                                served[config][0].append(r["tokens"] / r["latency"])
+                                served[config][1].extend([r["mal"]] if r["mal"] else [])
+                                progress.advance(2)
+                overhead = asyncio.run(http_overhead(f"http://127.0.0.1:{port}", model))
+            finally:
+                built.close()
+                del built
+                gc.collect()
+                torch.set_num_threads(threads)
+            serve.delete("specdec")
+        finally:
+            serve.shutdown()
+    dtype = app_args["target"].get("dtype", "auto")
+    return [_row(system, config, rates, dtype=dtype, paired=True,
+                 mean_acceptance_length=median(mal) if mal else None)
+            for system, table in (("ours, in process", local), ("ours, served", served))
+            for config, (rates, mal) in table.items()], overhead
 
 
 def _served_row(c, model, args, prompts, progress, wanted, config, app_args) -> dict:
@@ -292,14 +358,21 @@ def main(args) -> int:
                                            + 2 * n_modes)
     progress = Progress("bench served", total=total, unit=" requests")
     rows = [] if args.no_hf else _hf_rows(args, spec, prompts, progress)
-    rows += _local_rows(args, spec, prompts, progress)
+    paired_overhead: dict = {}
+    if args.paired:
+        paired, paired_overhead = _paired_rows(args, spec, app_args, prompts, progress)
+        rows += paired
+    else:
+        rows += _local_rows(args, spec, prompts, progress)
     for label, variant, modes in variants:
         rows += _local_rows(args, EngineSpec.model_validate(
             {k: v for k, v in variant.items() if k in EngineSpec.model_fields}),
             prompts, progress, modes, label)
-    served, overhead = _served_rows(args, [("", app_args, _modes(args.k))] + variants,
-                                    prompts, progress)
+    served, overhead = _served_rows(
+        args, ([] if args.paired else [("", app_args, _modes(args.k))]) + variants,
+        prompts, progress)
     rows += served
+    overhead = paired_overhead or overhead
     progress.close()
     print_table(rows, ["system", "config", "dtype", "runs", "tokens_per_s", "q1", "q3",
                        "mean_acceptance_length", "ttft_p50_s", "overhead_p50_ms"],

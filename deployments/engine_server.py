@@ -62,10 +62,8 @@ class EngineServer:
             except Exception:  # never let the loop die: the next step starts clean
                 log.exception("engine step raised")
                 continue
-            if self.engine.steps != before:
-                rec = self.engine.history[-1]
-                self.policy.observe_step(rec)
-                self.metrics.step(rec)
+            if self.engine.steps != before:  # (the policy observes through the engine)
+                self.metrics.step(self.engine.history[-1])
             self._publish_gauges()
 
     def _publish_gauges(self, force: bool = False) -> None:
@@ -76,7 +74,6 @@ class EngineServer:
 
     def _deliver(self, out) -> None:
         if out.finished:
-            self.policy.observe_finished(out)
             self.metrics.finished(out)
         entry = self._queues.get(out.request_id)
         if entry is None:

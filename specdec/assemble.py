@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from specdec import hub
+from specdec.calibrate import calibrate
 from specdec.config import DecoderConfig
 from specdec.engine import Engine, EngineConfig
 from specdec.engine_config import EngineSpec, ModelGroupConfig
@@ -156,6 +157,7 @@ class AssembledEngine:
     policy: EnginePolicy
     backend: Backend
     target_path: Path
+    calibration: dict | None = None  # what the start-up calibration ran (calibrate.py)
 
     @property
     def target(self) -> TargetRunner:
@@ -218,6 +220,12 @@ def assemble(spec: EngineSpec, backend: Backend) -> AssembledEngine:
         built = AssembledEngine(engine, tok, spec, policy, backend, target_path)
         if spec.warmup:
             warm_up(engine)
+            built.calibration = calibrate(engine, policy, spec.policy.k_max)
+            _forget(engine)
+        # The policy learns costs and acceptance from every step and finished request,
+        # in one process and served alike.
+        engine.on_step.append(policy.observe_step)
+        engine.on_finished.append(policy.observe_finished)
     except BaseException:
         backend.close()
         raise
@@ -235,6 +243,10 @@ def warm_up(engine: Engine) -> None:
         reqs.append(Request(f"warmup-{method}", prompt, SamplingParams(
             temperature=0.7, max_tokens=6, ignore_eos=True, seed=0), method, 2, fixed_k=True))
     engine.run(reqs)
+    _forget(engine)
+
+
+def _forget(engine: Engine) -> None:
     engine.totals.clear()
     engine.history.clear()
     engine.steps = 0

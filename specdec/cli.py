@@ -254,6 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     b_sd.add_argument("--hf-dtypes", nargs="+", default=["bfloat16", "float32"],
                       help="dtypes to run transformers in (its defaults and its best)")
     b_sd.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    b_sd.add_argument("--paired", action="store_true",
+                      help="measure in process and served alternately, request by request "
+                           "(both engines loaded), so drift of the machine cancels in "
+                           "their ratio")
     b_sd.add_argument("--split", action="store_true",
                       help="also one core each for target and draft: sequential vs overlapped")
     b_sd.add_argument("--json", metavar="PATH", default=None)

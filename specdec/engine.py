@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -119,6 +120,10 @@ class Engine:
         # plan differs between sequential and overlapped steps).
         self.on_mode: Callable[[bool], None] | None = None
         self._last_mode: bool | None = None
+        # Observers of every completed step and every finished request (the policy learns
+        # its costs and acceptance from them, in one process and served alike).
+        self.on_step: list[Callable[[StepRecord], None]] = []
+        self.on_finished: list[Callable[[RequestOutput], None]] = []
 
     # ---- submission (thread-safe) -------------------------------------------------------
 
@@ -156,7 +161,11 @@ class Engine:
             "running": len(self._running), "waiting": waiting,
             "free_slots": len(self._free_slots),
             "tokens_per_step": sum(r.tokens for r in recent) / n,
-            "prefill_tokens_per_step": sum(r.prefill_tokens for r in recent) / n,
+            # The typical step's prefill (median over the last 16 steps, idle ones as 0;
+            # usually 0): one long prompt must not make every decode step look like a
+            # prefill step to the policy.
+            "prefill_tokens_per_step": statistics.median(
+                [r.prefill_tokens for r in recent] + [0] * (16 - len(recent))),
             "step_s": sum(r.step_s for r in recent) / n,
         }
 
@@ -170,7 +179,8 @@ class Engine:
         self._apply_aborts(outputs)
         self._admit()
         if not self._running:
-            return outputs
+            return self._observed(outputs, None)
+        last = self.history[-1] if self.history else None
         try:
             self._step(outputs)
         except TargetLost as exc:
@@ -180,6 +190,23 @@ class Engine:
             log.exception("engine step failed")
             self._fail_all(outputs, f"internal error in the engine step "
                                     f"({type(exc).__name__}: {exc})", "internal")
+        rec = self.history[-1] if self.history else None
+        return self._observed(outputs, rec if rec is not last else None)
+
+    def _observed(self, outputs: list[RequestOutput], rec: StepRecord | None
+                  ) -> list[RequestOutput]:
+        """Tell the observers (outside the step's error handling: an observer's bug must
+        not fail the requests of a step that went well)."""
+        try:
+            if rec is not None:
+                for observe in self.on_step:
+                    observe(rec)
+            for out in outputs:
+                if out.finished:
+                    for observe in self.on_finished:
+                        observe(out)
+        except Exception:  # noqa: BLE001 - observers learn; serving goes on without them
+            log.exception("a step observer failed")
         return outputs
 
     def _fail_all(self, outputs: list[RequestOutput], error: str, kind: str) -> None:

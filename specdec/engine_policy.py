@@ -110,8 +110,15 @@ class EnginePolicy:
 
     @staticmethod
     def _load(load: dict, joining: int = 0) -> Load:
-        return Load(load.get("running", 0) + joining, load.get("waiting", 0),
-                    load.get("prefill_tokens_per_step", 0.0))
+        """The batch this decision will run in. A joining request also runs with the ones
+        queued ahead of it, as far as free slots take them: a burst of requests admitted
+        before the next step must not each be priced as if it ran alone."""
+        running, waiting = load.get("running", 0), load.get("waiting", 0)
+        rows = running
+        if joining:
+            slots = running + load.get("free_slots", 0)
+            rows = max(min(running + waiting + joining, slots), running + joining)
+        return Load(rows, waiting, load.get("prefill_tokens_per_step", 0.0))
 
     # ---- between rounds (Engine's choose_k hook) ---------------------------------------
 
@@ -150,9 +157,17 @@ class EnginePolicy:
         with self._lock:
             self._observe_step(rec)
 
-    def _observe_step(self, rec) -> None:
-        self.step_cost.observe(rec.tokens, rec.step_s - rec.draft_s)
-        self.draft_round_cost.observe(rec.draft_k, rec.draft_rows, rec.draft_model_s)
+    def calibrate_step(self, rec) -> None:
+        """A step of the start-up calibration (specdec/calibrate.py): kept by the cost fits
+        for good."""
+        with self._lock:
+            self._observe_step(rec, anchor=True)
+
+    def _observe_step(self, rec, anchor: bool = False) -> None:
+        step, draft = self.step_cost, self.draft_round_cost
+        (step.calibrate if anchor else step.observe)(rec.tokens, rec.step_s - rec.draft_s)
+        (draft.calibrate if anchor else draft.observe)(rec.draft_k, rec.draft_rows,
+                                                       rec.draft_model_s)
         if rec.draft_model_s and rec.draft_k:
             # c = the draft's time per guess / one plain target step (rows are batched).
             fit = self.step_cost.fit()

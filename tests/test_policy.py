@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from specdec.cost_model import acceptance_from_mean_length, best_k, expected_speedup
+from specdec.engine_policy import EnginePolicy
 from specdec.policy import (
     AcceptanceTracker,
     DraftCostModel,
@@ -102,9 +103,9 @@ def test_draft_round_cost_fit_recovers_fixed_and_per_guess_parts():
     for k in (1, 2, 3, 4, 6):
         m.observe(k, 0, 1.0)  # no rows: ignored
     assert m.fit() is None
-    for k in (2, 4, 4, 4):
+    for k in (2, 4, 4):
         m.observe(k, 3, 0.05 + k * (0.02 + 0.004 * 3))
-    assert m.fit() is None  # too few samples yet
+    assert m.fit() is None  # too few samples yet (3 for 3 parameters)
     for k, rows in ((1, 1), (3, 8), (5, 2), (6, 6), (2, 8), (4, 1)):
         m.observe(k, rows, 0.05 + k * (0.02 + 0.004 * rows))
     d0, e0, e1 = m.fit()
@@ -222,3 +223,81 @@ def test_overlap_round_cost_is_the_max_of_draft_and_verify():
                 overlapped=True)
     ng_seq = decide(CFG, ["ngram"], {"ngram": 0.6}, 200, Load(running=1), flat_cost())
     assert (ng.k, ng.expected_speedup) == (ng_seq.k, ng_seq.expected_speedup)
+
+
+# A roofline measured on a 2-core CPU (tokens in the target's forward -> seconds): memory
+# bound up to a few tokens, compute bound beyond.
+ROOFLINE = [(1, 0.16), (2, 0.16), (4, 0.16), (8, 0.30), (16, 0.38), (24, 0.61), (56, 1.37),
+            (128, 2.30)]
+
+
+def roofline_cost() -> StepCostModel:
+    m = StepCostModel()
+    for t, s in ROOFLINE:
+        m.calibrate(t, s)
+    return m
+
+
+def test_step_cost_follows_the_measured_points_where_a_line_cannot():
+    m = roofline_cost()
+    a, b = m.fit()
+    for t, s in ROOFLINE:
+        assert abs(m.step_seconds(t) - s) < 1e-9  # the measured points themselves
+    # Between points: on the segment; beyond the largest: on at the last slope.
+    assert abs(m.step_seconds(20) - (0.38 + 0.23 / 2)) < 1e-9
+    slope = max((2.30 - 1.37) / 72, b)  # never flatter than the line
+    assert abs(m.step_seconds(200) - (2.30 + 72 * slope)) < 1e-9
+    # The line through the same points misprices the verify of 4 rows at k = 4 (4 -> 20
+    # tokens) by more than a fifth; the measured points do not.
+    measured = (0.38 + 0.23 / 2) / 0.16
+    line = (a + b * 20) / (a + b * 4)
+    assert abs(m.verify_cost(4, 16) - measured) < 1e-9
+    assert abs(line - measured) / measured > 0.2
+
+
+def test_noise_never_makes_more_tokens_cheaper():
+    m = StepCostModel()
+    for t, s in ((1, 0.20), (2, 0.15), (3, 0.22), (4, 0.21), (6, 0.3), (8, 0.35), (9, 0.3),
+                 (12, 0.5)):
+        m.observe(t, s)
+    costs = [m.step_seconds(t) for t in range(1, 13)]
+    assert costs == sorted(costs)
+    assert m.verify_cost(1, 1) >= 1.0
+
+
+def test_calibration_anchors_outlive_a_window_of_one_batch_shape():
+    """Steady traffic of one shape fills the window; without the start-up anchors the line
+    would be undetermined (one x) and v would fall back to 1 (memory bound) at any load."""
+    m = roofline_cost()
+    for _ in range(600):
+        m.observe(4, 0.16)
+    assert len(m.samples) == 512 and len(m.anchors) == len(ROOFLINE)
+    assert m.fit() is not None and m.verify_cost(4, 16) > 2.5
+    alone = StepCostModel()
+    for _ in range(600):
+        alone.observe(4, 0.16)
+    assert alone.fit() is None and alone.verify_cost(4, 16) == 1.0
+
+
+def test_on_a_roofline_speculation_pays_alone_and_not_in_a_batch():
+    """What the concurrency sweep measured on 2 cores (plain faster from 4 clients up, the
+    draft pair faster alone) follows from the measured costs."""
+    draft = DraftCostModel()
+    for k, rows, s in ((2, 1, 0.10), (6, 1, 0.30), (2, 8, 0.25), (6, 8, 0.70)) * 2:
+        draft.calibrate(k, rows, s)
+    step = roofline_cost()
+    alone = decide(CFG, ["draft"], {"draft": 0.8}, 200, Load(1), step, draft_cost=draft)
+    batch = decide(CFG, ["draft"], {"draft": 0.8}, 200, Load(4), step, draft_cost=draft)
+    assert alone.mode == "speculative" and alone.expected_speedup > 1.2
+    assert batch.mode == "plain" and batch.why == "no_gain"
+
+
+def test_admission_prices_the_batch_a_burst_will_run_in():
+    """Requests admitted before the next step run together: the fourth of a burst is priced
+    with the three queued ahead of it (as far as slots take them), not as if alone."""
+    load = EnginePolicy._load({"running": 0, "waiting": 3, "free_slots": 8}, joining=1)
+    assert load.running == 4
+    full = EnginePolicy._load({"running": 6, "waiting": 5, "free_slots": 2}, joining=1)
+    assert full.running == 8
+    between = EnginePolicy._load({"running": 5, "waiting": 9, "free_slots": 3})
+    assert between.running == 5  # between rounds: the rows that run
