@@ -301,3 +301,27 @@ def test_admission_prices_the_batch_a_burst_will_run_in():
     assert full.running == 8
     between = EnginePolicy._load({"running": 5, "waiting": 9, "free_slots": 3})
     assert between.running == 5  # between rounds: the rows that run
+
+
+def test_no_exploring_where_the_load_alone_rules_speculation_out():
+    """Exploration tests whether acceptance recovered; where a verify costs more than even a
+    draft that is always right returns (a big batch on a compute-bound target), it only
+    costs, so the policy does not explore there, and does again once the load is light."""
+    from specdec.engine_config import PolicySettings
+    from specdec.engine_policy import EnginePolicy, Overrides
+
+    policy = EnginePolicy(PolicySettings(explore_share=0.25))
+    for t, s in ROOFLINE:
+        policy.step_cost.calibrate(t, s)
+    for k, rows, s in ((2, 1, 0.10), (6, 1, 0.30), (2, 8, 0.25), (6, 8, 0.70)) * 2:
+        policy.draft_round_cost.calibrate(k, rows, s)
+    policy.acceptance.observe("draft", 0, 400)  # the draft looks useless: plain, explore
+    busy = {"running": 3, "waiting": 0, "free_slots": 5}  # a batch of 4 with this request
+    light = {"running": 0, "waiting": 0, "free_slots": 8}
+
+    def modes(load):
+        return [policy.admit(load, ["draft"], 10, 200, False, Overrides()).mode
+                for _ in range(40)]
+
+    assert modes(busy).count("speculative") == 0
+    assert modes(light).count("speculative") == 10  # a quarter explores
