@@ -19,6 +19,7 @@ blocks can differ by 15-20% for the same engine, which would swamp their ratio.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import gc
 import json
@@ -113,12 +114,40 @@ def _modes(ks: list[int]) -> list[tuple[str, Overrides]]:
         [("auto (policy)", Overrides(mode="auto"))]
 
 
-def _local_rows(args, spec, prompts, progress, modes=None, label="") -> list[dict]:
+@contextlib.contextmanager
+def _local_engine(spec):
+    """The engine assembled in this process; closed, freed and this process's threads
+    restored afterwards (assemble sets them for its spec)."""
     threads = torch.get_num_threads()
     built = assemble(spec, LocalBackend())
-    tok = built.tokenizer
-    rows = []
     try:
+        yield built
+    finally:
+        built.close()
+        del built
+        gc.collect()
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _serve_instance():
+    """Serve on a free port in a private local Ray (Serve's upkeep as `make serve` runs it);
+    yields the base URL."""
+    from ray import serve
+
+    port = free_port()
+    with local_ray(num_cpus=os.cpu_count() or 2, quiet_serve=True):
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
+
+
+def _local_rows(args, spec, prompts, progress, modes=None, label="") -> list[dict]:
+    rows = []
+    with _local_engine(spec) as built:
+        tok = built.tokenizer
         for config, wanted in modes or _modes(args.k):
             rates, mal = [], []
             for _ in range(args.repeats):
@@ -131,11 +160,6 @@ def _local_rows(args, spec, prompts, progress, modes=None, label="") -> list[dic
             rows.append(_row("ours, in process", config + label, rates, dtype=spec.target.dtype,
                              mean_acceptance_length=median(mal) if mal else None,
                              timeline=timeline_summary(list(built.engine.history))))
-    finally:
-        built.close()
-        del built
-        gc.collect()
-        torch.set_num_threads(threads)  # assemble set this process's threads for its spec
     return rows
 
 
@@ -167,30 +191,24 @@ def _served_rows(args, apps: list[tuple[str, dict, list]], prompts, progress
 
     from deployments.app import build_app
 
-    port = free_port()
     rows: list[dict] = []
     overhead: dict = {}
     if not apps:
         return rows, overhead
-    with local_ray(num_cpus=os.cpu_count() or 2, quiet_serve=True):
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        try:
-            for n, (label, app_args, modes) in enumerate(apps):
-                t0 = time.perf_counter()
-                serve.run(build_app(app_args), name="specdec", route_prefix="/")
-                ready_s = time.perf_counter() - t0
-                model = app_args.get("model_name") or app_args["target"]["model"]
-                with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=1800) as c:
-                    for config, wanted in modes:
-                        rows.append(_served_row(c, model, args, prompts, progress, wanted,
-                                                config + label, app_args))
-                    if n == 0:
-                        overhead = asyncio.run(http_overhead(f"http://127.0.0.1:{port}",
-                                                             model))
-                        overhead["ready_s"] = ready_s
-                serve.delete("specdec")
-        finally:
-            serve.shutdown()
+    with _serve_instance() as url:
+        for n, (label, app_args, modes) in enumerate(apps):
+            t0 = time.perf_counter()
+            serve.run(build_app(app_args), name="specdec", route_prefix="/")
+            ready_s = time.perf_counter() - t0
+            model = app_args.get("model_name") or app_args["target"]["model"]
+            with httpx.Client(base_url=url, timeout=1800) as c:
+                for config, wanted in modes:
+                    rows.append(_served_row(c, model, args, prompts, progress, wanted,
+                                            config + label, app_args))
+                if n == 0:
+                    overhead = asyncio.run(http_overhead(url, model))
+                    overhead["ready_s"] = ready_s
+            serve.delete("specdec")
     return rows, overhead
 
 
@@ -205,41 +223,27 @@ def _paired_rows(args, spec, app_args: dict, prompts, progress
 
     from deployments.app import build_app
 
-    port = free_port()
     model = app_args.get("model_name") or app_args["target"]["model"]
     modes = _modes(args.k)
     local = {c: ([], []) for c, _ in modes}
     served = {c: ([], []) for c, _ in modes}
-    with local_ray(num_cpus=os.cpu_count() or 2, quiet_serve=True):
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        try:
-            serve.run(build_app(app_args), name="specdec", route_prefix="/")
-            threads = torch.get_num_threads()
-            built = assemble(spec, LocalBackend())
-            try:
-                with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=1800) as c:
-                    for _ in range(args.repeats):
-                        for config, wanted in modes:
-                            body = {k: v for k, v in {"mode": wanted.mode, "method": wanted.method,
-                                                      "k": wanted.k}.items() if v is not None}
-                            for text, chat in prompts:
-                                rate, m = _one_local(built, _ids(built.tokenizer, text, chat),
-                                                     args.max_tokens, wanted)
-                                local[config][0].append(rate)
-                                local[config][1].extend([m] if m else [])
-                                r = _one_http(c, model, text, chat, args.max_tokens, body)
-                                served[config][0].append(r["tokens"] / r["latency"])
-                                served[config][1].extend([r["mal"]] if r["mal"] else [])
-                                progress.advance(2)
-                overhead = asyncio.run(http_overhead(f"http://127.0.0.1:{port}", model))
-            finally:
-                built.close()
-                del built
-                gc.collect()
-                torch.set_num_threads(threads)
-            serve.delete("specdec")
-        finally:
-            serve.shutdown()
+    with _serve_instance() as url:
+        serve.run(build_app(app_args), name="specdec", route_prefix="/")
+        with _local_engine(spec) as built, httpx.Client(base_url=url, timeout=1800) as c:
+            for _ in range(args.repeats):
+                for config, wanted in modes:
+                    body = _speculative_field(wanted)
+                    for text, chat in prompts:
+                        rate, m = _one_local(built, _ids(built.tokenizer, text, chat),
+                                             args.max_tokens, wanted)
+                        local[config][0].append(rate)
+                        local[config][1].extend([m] if m else [])
+                        r = _one_http(c, model, text, chat, args.max_tokens, body)
+                        served[config][0].append(r["tokens"] / r["latency"])
+                        served[config][1].extend([r["mal"]] if r["mal"] else [])
+                        progress.advance(2)
+            overhead = asyncio.run(http_overhead(url, model))
+        serve.delete("specdec")
     dtype = app_args["target"].get("dtype", "auto")
     return [_row(system, config, rates, dtype=dtype, paired=True,
                  mean_acceptance_length=median(mal) if mal else None)
@@ -247,13 +251,18 @@ def _paired_rows(args, spec, app_args: dict, prompts, progress
             for config, (rates, mal) in table.items()], overhead
 
 
+def _speculative_field(wanted: Overrides) -> dict:
+    """The request's "speculative" extension field for these overrides."""
+    return {k: v for k, v in {"mode": wanted.mode, "method": wanted.method,
+                              "k": wanted.k}.items() if v is not None}
+
+
 def _served_row(c, model, args, prompts, progress, wanted, config, app_args) -> dict:
-    body_spec = {"mode": wanted.mode, "method": wanted.method, "k": wanted.k}
+    body_spec = _speculative_field(wanted)
     rates, mal, ttft, over = [], [], [], []
     for _ in range(args.repeats):
         for text, chat in prompts:
-            r = _one_http(c, model, text, chat, args.max_tokens,
-                          {k: v for k, v in body_spec.items() if v is not None})
+            r = _one_http(c, model, text, chat, args.max_tokens, body_spec)
             rates.append(r["tokens"] / r["latency"])
             ttft.append(r["ttft"])
             over.append(r["latency"] - r["engine_s"])

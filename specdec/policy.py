@@ -159,6 +159,13 @@ class _OnlineFit:
             self._solved = (self._solve(), self._extra())
         return self._solved[0]
 
+    def derived(self):
+        """What _extra derived from the samples along with the fit (None for a given fit)."""
+        if self._fixed is not None:
+            return None
+        self.fit()
+        return self._solved[1]
+
     def _solve(self):
         raise NotImplementedError
 
@@ -214,7 +221,7 @@ class StepCostModel(_OnlineFit):
         fit = self.fit()
         if fit is None:
             return None
-        pts = self._solved[1] if self._fixed is None and self._solved else None
+        pts = self.derived()
         if not pts or len(pts) < 2:
             return fit[0] + fit[1] * tokens
         xs = [x for x, _ in pts]
