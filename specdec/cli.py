@@ -235,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=["plain", "speculative", "router"])
     b_srv.add_argument("--k", type=int, default=4, help="k of the static speculative policy")
     b_srv.add_argument("--requests-per-client", type=int, default=4)
+    b_srv.add_argument("--repeats", type=int, default=1,
+                       help="runs of each policy per level (rotated order; medians)")
     b_srv.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7],
                        help="sweeps to run: greedy (0) and sampled")
     b_srv.add_argument("--max-tokens", type=int, nargs="+", default=[16, 64, 128])

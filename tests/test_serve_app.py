@@ -320,7 +320,7 @@ def test_bench_serve_sweeps_the_three_policies(server, tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "specdec.cli", "bench", "serve", "--url", base, "--model", MODEL,
          "--clients", "1", "2", "--requests-per-client", "1", "--max-tokens", "12", "--k", "3",
-         "--temperatures", "0", "0.7", "--json", str(out)],
+         "--temperatures", "0", "0.7", "--repeats", "2", "--json", str(out)],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())
@@ -340,6 +340,18 @@ def test_bench_serve_sweeps_the_three_policies(server, tmp_path):
     overhead = next(r["overhead"] for r in rows if "overhead" in r)
     assert overhead["http_latency_p50_ms"] > overhead["engine_p50_ms"] > 0
     assert "whole sweep" in done.stdout
+    # Two runs per policy and level, in rotated order, summarised by their median.
+    runs = next(r["runs"] for r in rows if "runs" in r and isinstance(r["runs"], list))
+    assert len(runs) == 2 * 2 * 2 * 3
+    first = [(x["policy"], x["repeat"]) for x in runs
+             if x["temperature"] == 0 and x["clients"] == 1]
+    assert first == [("plain", 0), ("speculative", 0), ("router", 0),
+                     ("speculative", 1), ("router", 1), ("plain", 1)]
+    for (policy, clients), r in levels.items():
+        mine = sorted(x["output_tokens_per_s"] for x in runs if x["temperature"] == 0
+                      and x["policy"] == policy and x["clients"] == clients)
+        assert r["runs"] == 2 and r["output_tokens_per_s"] == pytest.approx(sum(mine) / 2)
+        assert r["spread"] == pytest.approx((mine[1] - mine[0]) / r["output_tokens_per_s"])
 
 
 def test_bad_config_fails_at_deploy_time_naming_the_field(smollm2_path):

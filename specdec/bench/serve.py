@@ -3,7 +3,10 @@
 For each sampling temperature (greedy and sampled), each concurrency level and each policy
 (always plain, always speculative at a static k, the router's auto; back to back at each
 level, so they see the same machine), N clients send streamed chat requests from mixed
-prompt sets and output lengths. Reported per level: output tokens/s, TTFT and inter-token
+prompt sets and output lengths. With --repeats R each level runs its policies R times, in
+an order rotated by one each time (no policy always goes first, after another's warm
+batch), and a level reports the median run per policy with the spread of its runs, so a
+reader can tell a few percent from the machine's noise. Reported per level: output tokens/s, TTFT and inter-token
 latency p50/p90, what the policy chose, and the speedup over plain the cost model
 predicted (median of the requests' expected_speedup) next to the one measured; as a table,
 JSON and a PNG plot. Also the HTTP + Serve overhead per request, measured as the latency
@@ -124,6 +127,26 @@ async def http_overhead(base: str, model: str, n: int = 20) -> dict:
             "overhead_p90_ms": 1000 * percentile(over, 90)}
 
 
+def _rotated(policies: list[str], r: int) -> list[str]:
+    i = r % len(policies)
+    return policies[i:] + policies[:i]
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median throughput (the lower middle one for an even count), with
+    the throughput replaced by the median and the spread of all runs as (max - min) /
+    median: a level whose policies differ by less than their spread is a tie."""
+    runs = sorted(runs, key=lambda x: x["output_tokens_per_s"])
+    row = dict(runs[(len(runs) - 1) // 2])
+    row.pop("repeat", None)
+    tps = [x["output_tokens_per_s"] for x in runs]
+    row["output_tokens_per_s"] = median(tps)
+    row["runs"] = len(runs)
+    row["errors"] = sum(x["errors"] for x in runs)
+    row["spread"] = (tps[-1] - tps[0]) / row["output_tokens_per_s"] if len(tps) > 1 else 0.0
+    return row
+
+
 def _plot(rows: list[dict], path: str) -> None:
     try:
         import matplotlib
@@ -159,24 +182,30 @@ def _plot(rows: list[dict], path: str) -> None:
 
 def main(args) -> int:
     levels = args.clients
-    total = len(args.temperatures) * len(args.policies) * sum(
+    repeats = max(1, args.repeats)
+    total = repeats * len(args.temperatures) * len(args.policies) * sum(
         c * args.requests_per_client for c in levels)
     progress = Progress("bench serve", total=total, unit=" requests")
-    rows = []
+    runs: list[dict] = []
 
     async def sweep():
         # Level-major: the policies at one level run back to back, under the same machine
         # conditions, so their ratio is fair even when the machine drifts over the sweep.
         for temperature in args.temperatures:
             for c in levels:
-                for policy in args.policies:
-                    rows.append(await _level(args.url, args.model, policy, args.k, c,
-                                             args.requests_per_client, args.max_tokens,
-                                             progress, temperature))
+                for r in range(repeats):
+                    for policy in _rotated(args.policies, r):
+                        run = await _level(args.url, args.model, policy, args.k, c,
+                                           args.requests_per_client, args.max_tokens,
+                                           progress, temperature)
+                        runs.append(run | {"repeat": r})
         return await http_overhead(args.url, args.model)
 
     overhead = asyncio.run(sweep())
     progress.close()
+    rows = [_median_run([x for x in runs if x["temperature"] == t and x["clients"] == c
+                         and x["policy"] == p])
+            for t in args.temperatures for c in levels for p in args.policies]
     for temperature in args.temperatures:
         for c in levels:
             at = {r["policy"]: r for r in rows
@@ -191,7 +220,7 @@ def main(args) -> int:
                                              / at["plain"]["output_tokens_per_s"])
     print_table(rows, ["temperature", "policy", "clients", "requests", "errors",
                        "output_tokens_per_s", "vs_best_static", "predicted_speedup",
-                       "measured_speedup", "ttft_p50_s", "ttft_p90_s", "itl_p50_ms",
+                       "measured_speedup", "spread", "ttft_p50_s", "ttft_p90_s", "itl_p50_ms",
                        "itl_p90_ms", "speculative_share", "ngram_share", "k_mean"],
                 title=f"{args.url} {args.model}: concurrency sweep")
     totals = [{"temperature": t, "policy": p,
@@ -202,7 +231,7 @@ def main(args) -> int:
     print_table(totals, ["temperature", "policy", "sum_over_levels_tokens_per_s"],
                 title="whole sweep")
     print_table([overhead], list(overhead), title="HTTP + Serve overhead per request")
-    write_json(args.json, rows + [{"overhead": overhead}])
+    write_json(args.json, rows + [{"runs": runs}, {"overhead": overhead}])
     if args.plot:
         _plot(rows, args.plot)
     return 0
