@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from specdec.engine import Engine, EngineConfig
@@ -12,11 +14,14 @@ from specdec.sampling import SamplingParams
 from specdec.target_runner import LocalTargetRunner
 
 _MODELS: dict = {}
+# The engine tests run on CPU; SPECDEC_TEST_DEVICE=cuda runs the same exactness checks with
+# every model (and so every cache, logit and sampler tensor) on a GPU.
+DEVICE = os.environ.get("SPECDEC_TEST_DEVICE", "cpu")
 
 
 def load(path) -> Decoder:
     if path not in _MODELS:
-        _MODELS[path] = Decoder.from_checkpoint(path, torch.float32)
+        _MODELS[path] = Decoder.from_checkpoint(path, torch.float32, DEVICE)
     return _MODELS[path]
 
 

@@ -37,8 +37,10 @@ def _hf_rows(args, sets, progress) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     dtype = dtype_from_name(args.dtype)
-    target = AutoModelForCausalLM.from_pretrained(hub.resolve(args.target), dtype=dtype)
-    draft = AutoModelForCausalLM.from_pretrained(hub.resolve(args.draft), dtype=dtype)
+    target = AutoModelForCausalLM.from_pretrained(hub.resolve(args.target), dtype=dtype
+                                                  ).to(args.device)
+    draft = AutoModelForCausalLM.from_pretrained(hub.resolve(args.draft), dtype=dtype
+                                                 ).to(args.device)
     draft.generation_config.num_assistant_tokens = 4
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     draft.generation_config.assistant_confidence_threshold = 0.0
@@ -47,10 +49,12 @@ def _hf_rows(args, sets, progress) -> list[dict]:
         for method, extra in (("hf_plain", {}), ("hf_assisted", {"assistant_model": draft})):
             rates = []
             for ids in prompts:
-                x = torch.tensor([ids])
+                x = torch.tensor([ids], device=args.device)
                 t = time.perf_counter()
                 out = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
                                       max_new_tokens=args.max_tokens, **extra)
+                if x.device.type == "cuda":
+                    torch.cuda.synchronize()
                 rates.append((out.shape[1] - x.shape[1]) / (time.perf_counter() - t))
                 progress.advance()
             rows.append({"method": method, "k": 4 if extra else 0, "prompt_set": name,

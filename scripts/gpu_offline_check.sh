@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# GPU check on one CUDA machine with no network (its own python3 with torch and
+# transformers; the kit from scripts/gpu_kit.sh in .gpu/): the engine's exactness tests on
+# CUDA in fp32, our decoder against transformers on CUDA with the pair's real architectures,
+# step costs and the decode benchmark in bf16 (random weights: costs and plain speed are the
+# pair's, acceptance is not). Run from the repository root; OUT (default /tmp/gpu-out) gets
+# the JSON.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+KIT=${KIT:-.gpu}
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT" /tmp/rand
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$KIT"/whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+echo "== exactness suite on CUDA, fp32"
+SPECDEC_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_engine_exactness.py tests/test_engine_behaviour.py 2>&1 | tail -15
+echo "== the pair's architectures, random weights"
+timeout 240 python3 scripts/gpu_random_pair.py "$KIT" /tmp/rand
+echo "== bench decode, bf16, batch 1 and 8"
+for b in 1 8; do
+    timeout 240 python3 -m specdec.cli bench decode --device cuda --dtype bfloat16 \
+        --target /tmp/rand/qwen15 --draft /tmp/rand/qwen05 --draft-vocab-limit 32768 \
+        --k 2 4 --max-tokens 64 --sets code --prompts-per-set 2 --batch $b \
+        $([ $b = 8 ] && echo --no-hf) --json "$OUT/decode_b$b.json" 2>&1 | grep -v "Loading weights"
+done
