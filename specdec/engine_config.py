@@ -101,7 +101,7 @@ class PolicySettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     k_max: int = Field(6, ge=1, le=16)
     min_expected_tokens: int = Field(12, ge=0)
-    min_speedup: float = Field(1.10, ge=1.0)  # why: specdec/policy.py PolicyConfig
+    min_speedup: float = Field(1.05, ge=1.0)
     draft_cost_ratio: float = Field(0.35, gt=0)
     ngram_cost_ratio: float = Field(0.02, ge=0)
     collapse_rounds: int = Field(4, ge=1)

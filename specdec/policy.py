@@ -22,12 +22,7 @@ from specdec.cost_model import expected_tokens_per_round
 class PolicyConfig:
     k_max: int = 6
     min_expected_tokens: int = 12      # shorter expected outputs go plain: nothing to amortize
-    # Speculation must beat plain by this margin. The cost model's predictions for static k
-    # were off by up to +-0.1 in the concurrency sweep (README), and near break-even the
-    # router would admit some rows speculative and some plain: a mixed batch costs more than
-    # either (the draft's per-forward cost is paid for a few rows, and every plain row waits
-    # for the longer verify), 0.87-0.88x plain at 4 clients with a 1.05 margin.
-    min_speedup: float = 1.10
+    min_speedup: float = 1.05          # speculation must beat plain by this margin
     draft_cost_ratio: float = 0.35     # c: draft step / target step (profiled at start-up)
     ngram_cost_ratio: float = 0.02     # lookup is nearly free
     # Until measured: a same-family draft agrees often; prompt lookup rarely finds a match

@@ -56,7 +56,7 @@ def test_load_shrinks_k_before_turning_speculation_off():
     for t in (1, 5, 9, 20, 40, 2, 6, 30):
         cost.observe(t, 0.2 + 0.01 * t)  # partly compute bound
     light = decide(CFG, ["draft"], {"draft": 0.85}, 200, Load(1, 0), cost)
-    heavy = decide(CFG, ["draft"], {"draft": 0.85}, 200, Load(6, 0), cost)
+    heavy = decide(CFG, ["draft"], {"draft": 0.85}, 200, Load(12, 0), cost)
     heavier = decide(CFG, ["draft"], {"draft": 0.85}, 200, Load(32, 0), cost)
     assert light.k > heavy.k > 0
     assert heavier.mode == "plain"
