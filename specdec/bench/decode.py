@@ -33,10 +33,19 @@ def _chat_ids(tok, text: str, chat: bool) -> list[int]:
     return tok(text).input_ids
 
 
+def hf_dtype_name(args) -> str:
+    """transformers has no "auto" of ours (packed fp16 weights on CPUs without bf16): it runs
+    in bf16 on a GPU and in fp32 on a CPU, its faster CPU dtype on machines without native
+    bf16 (README, bench served)."""
+    if args.dtype != "auto":
+        return args.dtype
+    return "bfloat16" if args.device != "cpu" else "float32"
+
+
 def _hf_rows(args, sets, progress) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
-    dtype = dtype_from_name(args.dtype)
+    dtype = dtype_from_name(hf_dtype_name(args))
     target = AutoModelForCausalLM.from_pretrained(hub.resolve(args.target), dtype=dtype
                                                   ).to(args.device)
     draft = AutoModelForCausalLM.from_pretrained(hub.resolve(args.draft), dtype=dtype
@@ -47,6 +56,11 @@ def _hf_rows(args, sets, progress) -> list[dict]:
     rows = []
     for name, prompts in sets.items():
         for method, extra in (("hf_plain", {}), ("hf_assisted", {"assistant_model": draft})):
+            # Warm-up per method: on CUDA the first calls pay for context set-up and kernel
+            # selection, which would otherwise land in the first measured prompt.
+            x = torch.tensor([prompts[0]], device=args.device)
+            target.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                            max_new_tokens=8, **extra)
             rates = []
             for ids in prompts:
                 x = torch.tensor([ids], device=args.device)
@@ -77,9 +91,14 @@ def _our_rows(args, sets, progress) -> list[dict]:
         [("ngram", "ngram", args.ngram_k, None)]
     draft = engine.proposers.get("draft")
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    # Warm-up: first calls pay for allocations and kernel selection.
-    engine.run([Request("warm", sets[next(iter(sets))][0], SamplingParams(
-        temperature=0.0, max_tokens=8, ignore_eos=True), "draft", 2)])
+    # Warm-up of every configuration at the measured batch size: first calls pay for
+    # allocations and kernel selection (on CUDA, per new shape), which would otherwise land
+    # in the first measured prompt of each row.
+    first = sets[next(iter(sets))][0]
+    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for _, method, k, _ in configs:
+        engine.run([Request(f"warm-{method}-{k}-{b}", first, short, method, k, fixed_k=True)
+                    for b in range(max(args.batch, 1))])
     rows = []
     for name, prompts in sets.items():
         for label, method, k, threshold in configs:
@@ -159,7 +178,8 @@ def main(args) -> int:
                     r["speedup_vs_hf_assisted"] = r["tokens_per_s"] / base["hf_assisted"]
     cols = ["prompt_set", "method", "k", "confidence", "batch", "tokens_per_s", "mean_acceptance_length",
             "speedup_vs_our_plain", "speedup_vs_hf_plain", "speedup_vs_hf_assisted"]
-    print_table(rows, cols, title=f"{args.target} + {args.draft}, {args.dtype}, "
+    hf = "" if args.no_hf else f" (transformers {hf_dtype_name(args)})"
+    print_table(rows, cols, title=f"{args.target} + {args.draft}, {args.dtype}{hf}, "
                                   f"{args.max_tokens} new tokens, greedy, medians")
     if args.costs:
         costs = measure_costs(args)
