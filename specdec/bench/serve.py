@@ -6,11 +6,11 @@ level, so they see the same machine), N clients send streamed chat requests from
 prompt sets and output lengths. With --repeats R each level runs its policies R times, in
 an order rotated by one each time (no policy always goes first, after another's warm
 batch), and a level reports the median run per policy with the spread of its runs, so a
-reader can tell a few percent from the machine's noise. Reported per level: output tokens/s, TTFT and inter-token
-latency p50/p90, what the policy chose, and the speedup over plain the cost model
-predicted (median of the requests' expected_speedup) next to the one measured; as a table,
-JSON and a PNG plot. Also the HTTP + Serve overhead per request, measured as the latency
-of a 1-token request against the engine's own time.
+reader can tell a few percent from the machine's noise. Reported per level: output
+tokens/s, TTFT and inter-token latency p50/p90, what the policy chose, and the speedup over
+plain the cost model predicted (median of the requests' expected_speedup) next to the one
+measured; as a table, JSON and a PNG plot. Also the HTTP + Serve overhead per request,
+measured as the latency of a 1-token request against the engine's own time.
 """
 
 from __future__ import annotations
