@@ -123,7 +123,7 @@ class EngineServer:
                        "param": exc.param}
                 return
             yield {"decision": decision.as_dict(), "finished": False}
-            self.metrics.admitted(req.method)
+            self.metrics.admitted(decision.method)  # a standby request counts as plain
             self._wake.set()
             while True:
                 chunk = await queue.get()

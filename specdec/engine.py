@@ -90,6 +90,11 @@ class _Seq:
 KChooser = Callable[["Engine", Request, SpecCounters, int], int]
 
 
+def _pinned_plain(req: Request) -> bool:
+    """Plain for good: no method, or plain pinned by the caller (k fixed at 0)."""
+    return req.method == "none" or (req.fixed_k and req.k == 0)
+
+
 class Engine:
     def __init__(self, target: TargetRunner, proposers: dict[str, Proposer] | None = None,
                  tokenizer=None, eos_ids: Iterable[int] = (),
@@ -155,10 +160,16 @@ class Engine:
     def load(self) -> dict:
         with self._lock:
             waiting = len(self._waiting)
+            pinned_waiting = sum(map(_pinned_plain, self._waiting))
+        running = list(self._running.values())
         recent = list(self.history)[-16:]
         n = max(len(recent), 1)
         return {
-            "running": len(self._running), "waiting": waiting,
+            "running": len(running), "waiting": waiting,
+            # Rows that decode plainly whatever the policy decides (the policy prices a
+            # speculative batch with them: they wait for every verify, draft nothing).
+            "pinned_running": sum(_pinned_plain(s.req) for s in running),
+            "pinned_waiting": pinned_waiting,
             "free_slots": len(self._free_slots),
             "tokens_per_step": sum(r.tokens for r in recent) / n,
             # The typical step's prefill (median over the last 16 steps, idle ones as 0;

@@ -125,11 +125,15 @@ class EnginePolicy:
         queued ahead of it, as far as free slots take them: a burst of requests admitted
         before the next step must not each be priced as if it ran alone."""
         running, waiting = load.get("running", 0), load.get("waiting", 0)
-        rows = running
+        rows, pinned = running, load.get("pinned_running", 0)
         if joining:
             slots = running + load.get("free_slots", 0)
             rows = max(min(running + waiting + joining, slots), running + joining)
-        return Load(rows, waiting, load.get("prefill_tokens_per_step", 0.0))
+            # Pinned plain rows among the queued ahead that will run with it.
+            pinned += min(load.get("pinned_waiting", 0), rows - running - joining)
+        # The row being decided follows the decision: at least one row drafts.
+        return Load(rows, waiting, load.get("prefill_tokens_per_step", 0.0),
+                    max(min(pinned, rows - 1), 0))
 
     # ---- between rounds (Engine's choose_k hook) ---------------------------------------
 
@@ -156,7 +160,7 @@ class EnginePolicy:
             # The request's own acceptance, as its bucket (trials 10, kept = bucket).
             trials, kept = (0, 0) if bucket is None else (10, bucket)
             self._k_cache[key] = revisit(
-                config, req.method, req.k, trials, kept, spec.rounds,
+                config, req.method, trials, kept, spec.rounds,
                 self.acceptance.alpha(req.method), load, self.step_cost,
                 self.draft_round_cost, self.acceptance.curve(req.method, self.config.k_max),
                 overlapped=self._overlapped)

@@ -290,6 +290,12 @@ class Load:
     running: int = 0            # decoding rows, the one being decided included
     waiting: int = 0
     prefill_tokens: float = 0.0  # prompt tokens per step being prefilled alongside
+    # Rows that stay plain whatever is decided (asked for plain, or too short to pay): they
+    # draft nothing but wait for every verify, so a speculative batch's gain is diluted.
+    # The other rows all follow the one decision (specdec/engine_policy.py): a batch of
+    # speculative and plain followers costs more than either pure batch (README, "mixed
+    # batches"), so the policy never makes one on purpose.
+    pinned: int = 0
 
 
 @dataclasses.dataclass
@@ -302,6 +308,9 @@ class Decision:
     inputs: dict
     # A short label of the reason, for metrics (the reason text carries the numbers).
     why: str = "goodput"
+    # A plain decision for lack of gain: the method the request takes up in a later round
+    # if the batch's decision turns speculative (fewer rows, better acceptance).
+    standby: str | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -323,9 +332,13 @@ def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
     AcceptanceTracker.curve) when given, else from the i.i.d. model with alpha.
 
     The draft's cost of a k-guess round is the fitted draft time over the fitted plain step
-    time when both are measured, else k * config.draft_cost_ratio."""
+    time when both are measured, else k * config.draft_cost_ratio.
+
+    The decision is for the batch: every row that is not pinned plain drafts the same k
+    (they all follow it), so the verify holds (rows - pinned) * k guesses and the draft runs
+    that many rows; the speedup is the batch's goodput over its all-plain goodput."""
     inputs = {"expected_tokens": round(expected_tokens, 1) if math.isfinite(expected_tokens)
-              else None, "running": load.running,
+              else None, "running": load.running, "pinned": load.pinned,
               "waiting": load.waiting, "prefill_tokens": round(load.prefill_tokens, 1),
               "alpha": {m: round(a, 3) for m, a in alpha.items()}}
     if curves:
@@ -341,23 +354,29 @@ def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
                     1.0, inputs, "no_gain")
     candidates = [forced_method] if forced_method else methods
     rows = max(load.running, 1)
+    drafting = max(rows - min(load.pinned, rows - 1), 1)  # the rows that follow the decision
     base = rows + load.prefill_tokens  # a plain step: one token per row
     plain_step = cost.step_seconds(base)
+    standby, standby_s = None, -1.0
     for m in candidates:
         c = config.draft_cost_ratio if m == "draft" else config.ngram_cost_ratio
         ks = [forced_k] if forced_k is not None else range(1, config.k_max + 1)
         for k in ks:
-            v = cost.verify_cost(base, rows * k)  # every row of the batch drafts k
-            measured = draft_cost.round_seconds(k, rows) if m == "draft" and draft_cost \
+            v = cost.verify_cost(base, drafting * k)  # every following row drafts k
+            measured = draft_cost.round_seconds(k, drafting) if m == "draft" and draft_cost \
                 else None
             if measured is not None and plain_step:
                 c = measured / plain_step / k  # this k's draft cost per guess, fixed part in
             curve = (curves or {}).get(m)
             round_cost = max(k * c, v) if overlapped and m == "draft" else k * c + v
             if curve and len(curve) >= k:
-                s = (1.0 + sum(curve[:k])) / round_cost
+                per_row = 1.0 + sum(curve[:k])
             else:
-                s = expected_tokens_per_round(alpha.get(m, 0.5), k) / round_cost
+                per_row = expected_tokens_per_round(alpha.get(m, 0.5), k)
+            # Tokens per round of the whole batch over what its plain step makes (rows).
+            s = (rows - drafting + drafting * per_row) / rows / round_cost
+            if s > standby_s:
+                standby, standby_s = m, s
             if forced_k is not None or s > best.expected_speedup:
                 best = Decision("speculative", m, k, f"best expected goodput: {s:.2f}x plain "
                                 f"(alpha {alpha.get(m, 0.5):.2f}, c {c:.2f}, v {v:.2f})",
@@ -365,18 +384,22 @@ def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
     if best.mode == "speculative" and forced_k is None and \
             best.expected_speedup < config.min_speedup:
         return Decision("plain", "none", 0, f"best speculation only {best.expected_speedup:.2f}x",
-                        best.expected_speedup, inputs, "no_gain")
+                        best.expected_speedup, inputs, "no_gain", standby)
+    if best.mode == "plain":
+        best.standby = standby
     return best
 
 
-def revisit(config: PolicyConfig, method: str, k_now: int, own_trials: int, own_kept: int,
+def revisit(config: PolicyConfig, method: str, own_trials: int, own_kept: int,
             rounds: int, method_alpha: float, load: Load, cost: StepCostModel,
             draft_cost: DraftCostModel | None = None, curve: list[float] | None = None,
             overlapped: bool = False) -> int:
     """k for a running request's next round: its own acceptance (once trusted) blended with
     the method's, under the current load; 0 when its acceptance collapsed. The method's
-    curve is rescaled by (blended alpha / method alpha)^i for this request."""
-    if method == "none" or k_now == 0:
+    curve is rescaled by (blended alpha / method alpha)^i for this request. The same for a
+    request admitted plain on standby for method (Decision.standby): it speculates as soon
+    as the batch's decision does."""
+    if method == "none":
         return 0
     if rounds >= config.collapse_rounds and own_trials:
         own = own_kept / own_trials

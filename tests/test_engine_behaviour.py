@@ -118,3 +118,45 @@ def test_long_prefill_is_chunked_without_starving_decoders(tiny_llama):
     final = engine.run([])
     expected = plain_generate(load(tiny_llama), [long.prompt_ids], greedy(5)).token_ids[0]
     assert final["long"].token_ids == expected
+
+
+def test_standby_requests_follow_the_batch_decision(tiny_llama, tiny_llama_draft):
+    """A request admitted plain for lack of gain (a busy batch) is on standby: every row
+    follows the batch's one decision per step, so a batch never mixes speculative and plain
+    rows the policy could have matched (a mixed batch costs more than either pure one),
+    and the row left alone speculates once the others finish; greedy output stays plain's."""
+    from specdec.assemble import AssembledEngine
+    from specdec.engine_config import PolicySettings
+    from specdec.engine_policy import EnginePolicy
+
+    policy = EnginePolicy(PolicySettings(explore_share=0.0))
+    # A roofline target: a verify of 4 rows x k guesses costs 2-4 plain steps, of 1 row
+    # none extra; a draft guess costs 0.3 of a plain step. Alone it pays, at 4 rows not.
+    for t, s in ((1, 0.16), (2, 0.16), (4, 0.16), (8, 0.30), (16, 0.38), (24, 0.61),
+                 (56, 1.37), (128, 2.30)):
+        policy.step_cost.calibrate(t, s)
+    for k, rows, s in ((2, 1, 0.10), (6, 1, 0.30), (2, 8, 0.25), (6, 8, 0.70)) * 2:
+        policy.draft_round_cost.calibrate(k, rows, s)
+    engine = make_engine(tiny_llama, tiny_llama_draft)
+    engine.choose_k = policy.choose_k
+    built = AssembledEngine(engine, None, None, policy, None, None)
+    prompts = random_prompts((6, 7, 8, 9), seed=11)
+    lengths = (14, 14, 14, 40)
+    admitted = [built.submit(f"s{i}", p, greedy(n))
+                for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+    first, last = admitted[0][1], admitted[3][1]
+    assert first.mode == "speculative"  # priced alone
+    assert last.mode == "plain" and last.standby == "draft"  # priced in a batch of 4
+    assert admitted[3][0].method == "draft" and admitted[3][0].k == 0
+    assert not admitted[3][0].fixed_k
+    final = {}
+    while engine.has_work():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    decode_steps = [r for r in engine.history if not r.prefill_tokens]
+    assert all(r.draft_rows in (0, r.rows) for r in decode_steps)  # never a mixed batch
+    assert all(r.draft_rows == 0 for r in decode_steps if r.rows == 4)
+    assert any(r.draft_rows == 1 for r in decode_steps if r.rows == 1)
+    assert final["s3"].spec.rounds > 0 and final["s0"].spec.rounds == 0
+    plain = plain_generate(load(tiny_llama), prompts, greedy(40)).token_ids
+    for i, n in enumerate(lengths):
+        assert final[f"s{i}"].token_ids == plain[i][:n]

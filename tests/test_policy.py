@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from specdec.cost_model import acceptance_from_mean_length, best_k, expected_speedup
+from specdec.cost_model import (
+    acceptance_from_mean_length,
+    best_k,
+    expected_speedup,
+    expected_tokens_per_round,
+)
 from specdec.engine_policy import EnginePolicy
 from specdec.policy import (
     AcceptanceTracker,
@@ -68,10 +73,10 @@ def test_cheap_ngram_wins_when_its_acceptance_is_decent():
 
 
 def test_collapsed_request_acceptance_drops_to_plain():
-    k = revisit(CFG, "draft", 4, own_trials=20, own_kept=2, rounds=10, method_alpha=0.9,
+    k = revisit(CFG, "draft", own_trials=20, own_kept=2, rounds=10, method_alpha=0.9,
                 load=Load(1), cost=flat_cost())
     assert k == 0
-    k = revisit(CFG, "draft", 4, own_trials=40, own_kept=36, rounds=10, method_alpha=0.9,
+    k = revisit(CFG, "draft", own_trials=40, own_kept=36, rounds=10, method_alpha=0.9,
                 load=Load(1), cost=flat_cost())
     assert k >= 3
 
@@ -325,3 +330,34 @@ def test_no_exploring_where_the_load_alone_rules_speculation_out():
 
     assert modes(busy).count("speculative") == 0
     assert modes(light).count("speculative") == 10  # a quarter explores
+
+
+def test_pinned_plain_rows_dilute_a_speculative_batch():
+    """Rows pinned plain (asked for plain, too short) draft nothing but wait for every
+    verify: the batch's gain is the following rows' tokens over all rows' plain tokens,
+    and the verify holds only the following rows' guesses."""
+    cost = compute_bound_cost()
+    free = decide(CFG, ["draft"], {"draft": 0.8}, 200, Load(4), cost, forced_k=2)
+    pinned = decide(CFG, ["draft"], {"draft": 0.8}, 200, Load(4, pinned=3), cost, forced_k=2)
+    per_row = expected_tokens_per_round(0.8, 2)
+    c = CFG.draft_cost_ratio
+    v_free, v_pinned = (4 + 4 * 2) / 4, (4 + 1 * 2) / 4  # 0.01 s per token
+    assert abs(free.expected_speedup - per_row / (2 * c + v_free)) < 1e-6
+    assert abs(pinned.expected_speedup - (3 + per_row) / 4 / (2 * c + v_pinned)) < 1e-6
+    # The one deciding row always follows the decision: pinned never covers every row.
+    alone = decide(CFG, ["draft"], {"draft": 0.8}, 200, Load(1, pinned=5), cost, forced_k=2)
+    assert abs(alone.expected_speedup - per_row / (2 * c + 3.0)) < 1e-6
+
+
+def test_a_plain_decision_for_lack_of_gain_names_its_standby_method():
+    step, draft = roofline_cost(), DraftCostModel()
+    for k, rows, s in ((2, 1, 0.10), (6, 1, 0.30), (2, 8, 0.25), (6, 8, 0.70)) * 2:
+        draft.calibrate(k, rows, s)
+    busy = decide(CFG, ["draft", "ngram"], {"draft": 0.8, "ngram": 0.1}, 200, Load(4), step,
+                  draft_cost=draft)
+    assert busy.mode == "plain" and busy.why == "no_gain" and busy.standby == "draft"
+    short = decide(CFG, ["draft"], {"draft": 0.8}, 5, Load(1), step, draft_cost=draft)
+    assert short.mode == "plain" and short.standby is None  # pinned: never speculates
+    # On standby the request follows the batch: plain while busy, speculative once light.
+    assert revisit(CFG, "draft", 0, 0, 0, 0.8, Load(4), step, draft) == 0
+    assert revisit(CFG, "draft", 0, 0, 0, 0.8, Load(1), step, draft) > 0
