@@ -173,6 +173,7 @@ class RouterServer:
         return {"mode": decision["mode"], "method": decision["method"], "k": decision["k"],
                 "engine_s": final.get("engine_s"),
                 "k_last_round": final.get("k"), "reason": decision["reason"],
+                "standby": decision.get("standby"),
                 "inputs": decision["inputs"],
                 "expected_speedup": round(decision["expected_speedup"], 3),
                 **{key: s.get(key) for key in ("rounds", "drafted", "accepted",

@@ -335,7 +335,9 @@ def test_bench_serve_sweeps_the_three_policies(server, tmp_path):
         assert r["errors"] == 0 and r["requests"] == clients and r["output_tokens_per_s"] > 0
         assert r["ttft_p50_s"] > 0 and r["itl_p50_ms"] > 0
     assert levels[("plain", 2)]["speculative_share"] == 0
+    assert levels[("plain", 2)]["speculated_share"] == 0
     assert levels[("speculative", 2)]["speculative_share"] == 1
+    assert levels[("speculative", 2)]["speculated_share"] == 1  # 12 tokens: rounds ran
     assert levels[("speculative", 2)]["k_mean"] == 3
     overhead = next(r["overhead"] for r in rows if "overhead" in r)
     assert overhead["http_latency_p50_ms"] > overhead["engine_p50_ms"] > 0

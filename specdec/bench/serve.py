@@ -70,6 +70,7 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: i
     return {"tokens": tokens, "ttft": ttft, "itl": itl, "latency": total,
             "mode": decision.get("mode"), "method": decision.get("method"),
             "k": decision.get("k"), "k_last": decision.get("k_last_round"),
+            "rounds": decision.get("rounds") or 0,
             "expected_speedup": decision.get("expected_speedup")}
 
 
@@ -102,8 +103,12 @@ async def _level(base: str, model: str, policy: str, k: int, clients: int,
             "ttft_p50_s": median([r["ttft"] for r in ok]),
             "ttft_p90_s": percentile([r["ttft"] for r in ok], 90),
             "itl_p50_ms": 1000 * median(itls), "itl_p90_ms": 1000 * percentile(itls, 90),
-            # What the policy chose: share of requests speculated, and their k.
+            # What the policy chose at admission: share of requests speculated, and their k.
             "speculative_share": len(spec) / len(ok) if ok else 0.0,
+            # What ran: share of requests with a speculative round (a request admitted
+            # plain on standby speculates once its batch does; one admitted speculative
+            # can go plain).
+            "speculated_share": sum(r["rounds"] > 0 for r in ok) / len(ok) if ok else 0.0,
             "ngram_share": sum(r["method"] == "ngram" for r in spec) / len(ok) if ok else 0.0,
             "k_mean": sum(r["k"] for r in spec) / len(spec) if spec else 0.0}
 
@@ -221,7 +226,8 @@ def main(args) -> int:
     print_table(rows, ["temperature", "policy", "clients", "requests", "errors",
                        "output_tokens_per_s", "vs_best_static", "predicted_speedup",
                        "measured_speedup", "spread", "ttft_p50_s", "ttft_p90_s", "itl_p50_ms",
-                       "itl_p90_ms", "speculative_share", "ngram_share", "k_mean"],
+                       "itl_p90_ms", "speculative_share", "speculated_share", "ngram_share",
+                       "k_mean"],
                 title=f"{args.url} {args.model}: concurrency sweep")
     totals = [{"temperature": t, "policy": p,
                "sum_over_levels_tokens_per_s": sum(
