@@ -293,8 +293,8 @@ class Load:
     # Rows that stay plain whatever is decided (asked for plain, or too short to pay): they
     # draft nothing but wait for every verify, so a speculative batch's gain is diluted.
     # The other rows all follow the one decision (specdec/engine_policy.py): a batch of
-    # speculative and plain followers costs more than either pure batch (README, "mixed
-    # batches"), so the policy never makes one on purpose.
+    # speculative and plain followers costs more than either pure batch (README, the
+    # concurrency sweep; scripts/bench_mixed_batch.py), so the policy never makes one.
     pinned: int = 0
 
 
