@@ -179,11 +179,10 @@ class AssembledEngine:
                                 "(its proposer is being rebuilt); retry, or leave method unset")
         decision = self.policy.admit(self.engine.load(), methods, len(prompt_ids),
                                      params.max_tokens, bool(params.stop), wanted)
-        method = decision.method
-        if decision.standby and wanted.mode == "auto" and wanted.k is None:
-            # Plain for now, on standby: it follows the batch's decision in later rounds,
-            # so the batch never mixes speculative and plain rows it could have matched.
-            method = decision.standby
+        # Plain for now, on standby (only `auto` without a pinned k gets one): it follows
+        # the batch's decision in later rounds, so the batch never mixes speculative and
+        # plain rows it could have matched.
+        method = decision.standby or decision.method
         req = Request(request_id, prompt_ids, params, method, decision.k, on_output,
                       fixed_k=wanted.k is not None or wanted.mode == "off")
         self.engine.add_request(req)
