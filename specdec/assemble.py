@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -34,7 +35,7 @@ from specdec.proposers import (
     Proposer,
     check_same_tokenizer,
 )
-from specdec.request import CapacityError, Request
+from specdec.request import CapacityError, Request, TargetDown
 from specdec.sampling import SamplingParams
 from specdec.sharding import ShardSpec
 from specdec.target_runner import LocalTargetRunner, TargetRunner
@@ -173,6 +174,9 @@ class AssembledEngine:
         queue it: the path every served request takes. Raises EngineError (a bad override)
         or CapacityError (queue full)."""
         wanted = wanted or Overrides()
+        down = getattr(self.engine.target, "down", None)
+        if down:
+            raise TargetDown(f"{down}; retry shortly")
         methods = self.methods()
         if wanted.method in self.engine.proposers and wanted.method not in methods:
             raise CapacityError(f"speculative.method {wanted.method!r} is unavailable for now "
@@ -184,7 +188,8 @@ class AssembledEngine:
         # plain rows it could have matched.
         method = decision.standby or decision.method
         req = Request(request_id, prompt_ids, params, method, decision.k, on_output,
-                      fixed_k=wanted.k is not None or wanted.mode == "off")
+                      fixed_k=wanted.k is not None or wanted.mode == "off",
+                      speculate=wanted.mode == "on" and decision.mode == "speculative")
         self.engine.add_request(req)
         return req, decision
 
@@ -203,15 +208,22 @@ class AssembledEngine:
         self.close()
 
 
-def assemble(spec: EngineSpec, backend: Backend) -> AssembledEngine:
+def assemble(spec: EngineSpec, backend: Backend,
+             on_phase: Callable[[str], None] | None = None) -> AssembledEngine:
+    """Build the engine; on_phase(name) hears each phase of the start-up as it begins
+    (the served replica tells the router, which answers 503 saying what it waits for)."""
+    phase = on_phase or (lambda name: None)
+    phase("checking the models")
     target_path = hub.resolve(spec.target.model)
     draft_path = hub.resolve(spec.draft.model) if spec.draft is not None else None
     check_spec(spec, target_path, draft_path)
     tok = load_tokenizer(target_path)
+    phase("loading the target model")
     target = backend.target(spec, target_path)
     try:
         proposers: dict[str, Proposer] = {"ngram": NgramProposer(spec.ngram_min, spec.ngram_max)}
         if draft_path is not None:
+            phase("loading the draft model")
             proposers["draft"] = backend.draft(spec, draft_path)
         policy = EnginePolicy(spec.policy)
         engine = Engine(target, proposers, tok, eos_ids_of(target_path, tok),
@@ -223,7 +235,9 @@ def assemble(spec: EngineSpec, backend: Backend) -> AssembledEngine:
             engine.on_mode = lambda overlapped: torch.set_num_threads(threads[overlapped])
         built = AssembledEngine(engine, tok, spec, policy, backend, target_path)
         if spec.warmup:
+            phase("warming up")
             warm_up(engine)
+            phase("calibrating the step costs")
             built.calibration = calibrate(engine, policy, spec.policy.k_max)
             _forget(engine)
         # The policy learns costs and acceptance from every step and finished request,

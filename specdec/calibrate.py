@@ -11,13 +11,23 @@ the router speculated at every load of a concurrency sweep while plain decoding 
 cannot separate a fixed cost from a per-token one.
 
 So at start-up, after the warm-up, the engine runs a short grid of batches (1 row and a
-full batch; plain and each draft at a short and a long k) and the policy keeps those steps
-as anchors of its fits for good. Only costs are learned here: the prompts are arbitrary
-ids, so acceptance (which they would understate) and lengths are not observed.
+full batch; plain and each draft at a short and a long k) and gives those steps to the
+policy as its prior (specdec/measured_costs.py): live steps of the same shape replace them,
+and the policy probes the shapes its batch does not run, so a calibration taken on a busy
+machine costs a minute of serving, not the app's life. Only costs are learned here: the
+prompts are arbitrary ids, so acceptance (which they would understate) and lengths are not
+observed.
+
+A busy machine is also said out loud: the steps of one shape repeat across the grid (every
+run starts with the same prefill), so their spread tells a quiet machine from a noisy one,
+and the load average tells whether something else ran beside us.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import statistics
 import time
 
 from specdec.engine import Engine
@@ -25,6 +35,7 @@ from specdec.engine_policy import EnginePolicy
 from specdec.request import Request
 from specdec.sampling import SamplingParams
 
+log = logging.getLogger(__name__)
 _PROMPT = list(range(10, 26))  # 16 tokens: a prefill step of a realistic size per row
 
 
@@ -39,7 +50,12 @@ def calibrate(engine: Engine, policy: EnginePolicy, k_max: int) -> dict:
     grid = [("none", 0, 3)] + [(m, k, k + 2) for m in drafts
                                for k in sorted({min(2, k_max), k_max})]
     runs = []
-    observe = policy.calibrate_step
+    shapes: dict[int, list[float]] = {}
+
+    def observe(rec) -> None:
+        policy.calibrate_step(rec)
+        shapes.setdefault(rec.tokens, []).append(rec.step_s - rec.draft_s)
+
     engine.on_step.append(observe)
     try:
         for rows in sizes:
@@ -53,4 +69,42 @@ def calibrate(engine: Engine, policy: EnginePolicy, k_max: int) -> dict:
                              "steps": engine.steps - before})
     finally:
         engine.on_step.remove(observe)
-    return {"runs": runs, "seconds": time.perf_counter() - t0}
+    out = {"runs": runs, "seconds": round(time.perf_counter() - t0, 2), **noise(shapes)}
+    if out["noisy"]:
+        log.warning("start-up calibration ran on a busy or noisy machine (%s); its step "
+                    "costs are a prior only: live steps and probes replace them within a "
+                    "minute of serving", out["noise"])
+    return out
+
+
+NOISY_SPREAD = 0.15  # relative spread of repeats of one shape beyond which costs are noise
+BUSY_LOAD = 1.5      # load average per core beyond which something else competes with us
+
+
+def noise(shapes: dict[int, list[float]], load_average: float | None = None,
+          cores: int | None = None) -> dict:
+    """How far to trust the calibration: the median, over shapes run 3+ times, of the
+    relative spread of their times (median absolute deviation / median), and the machine's
+    1-minute load average per core (ours keeps it near 1)."""
+    spreads = []
+    for times in shapes.values():
+        if len(times) >= 3:
+            mid = statistics.median(times)
+            mad = statistics.median(abs(t - mid) for t in times)
+            spreads.append(mad / mid if mid > 0 else 0.0)
+    spread = statistics.median(spreads) if spreads else None
+    cores = cores or os.cpu_count() or 1
+    if load_average is None:
+        try:
+            load_average = os.getloadavg()[0]
+        except OSError:  # not every platform has one
+            load_average = None
+    per_core = load_average / cores if load_average is not None else None
+    reasons = []
+    if spread is not None and spread > NOISY_SPREAD:
+        reasons.append(f"repeated steps of one shape spread by {spread:.0%}")
+    if per_core is not None and per_core > BUSY_LOAD:
+        reasons.append(f"load average {load_average:.1f} on {cores} cores")
+    return {"spread": None if spread is None else round(spread, 3),
+            "load_per_core": None if per_core is None else round(per_core, 2),
+            "noisy": bool(reasons), "noise": "; ".join(reasons) or "quiet"}

@@ -170,6 +170,12 @@ class Engine:
             # speculative batch with them: they wait for every verify, draft nothing).
             "pinned_running": sum(_pinned_plain(s.req) for s in running),
             "pinned_waiting": pinned_waiting,
+            # Rows that follow the policy's per-step decision, by method (the policy probes
+            # a step shape for them), and rows that asked for speculation whatever it costs.
+            "following": dict(collections.Counter(
+                s.req.method for s in running if not _pinned_plain(s.req)
+                and not s.req.fixed_k)),
+            "speculating_on_request": sum(s.req.speculate for s in running),
             "free_slots": len(self._free_slots),
             "tokens_per_step": sum(r.tokens for r in recent) / n,
             # The typical step's prefill (median over the last 16 steps, idle ones as 0;
@@ -383,6 +389,8 @@ class Engine:
             k = req.k
         else:
             k = self.choose_k(self, req, seq.spec, len(self._running))
+        if req.speculate:  # asked for: a guess every round, whatever the costs say
+            k = max(k, 1)
         remaining = req.params.max_tokens - seq.generated
         room = self.target.max_len - seq.cached - pending
         return max(0, min(k, remaining - 1, room))

@@ -108,6 +108,8 @@ class PolicySettings(BaseModel):
     collapse_alpha: float = Field(0.25, ge=0, le=1)
     acceptance_half_life: float = Field(2000.0, ge=0)  # in trials; 0 = never forget
     explore_share: float = Field(0.05, ge=0, le=1)     # speculate anyway on this share
+    # Re-measure a step shape the batch does not run at most this often (0 = never).
+    probe_interval_s: float = Field(20.0, ge=0)
 
 
 class EngineSpec(BaseModel):

@@ -14,23 +14,27 @@ curve) and completion lengths per prompt-length bucket, from served requests onl
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import logging
 import math
 import threading
+import time
 
 from specdec.engine_config import PolicySettings
+from specdec.measured_costs import DraftCostModel, StepCostModel
 from specdec.policy import (
     AcceptanceTracker,
     Decision,
-    DraftCostModel,
     LengthEstimator,
     Load,
     PolicyConfig,
-    StepCostModel,
     decide,
     revisit,
 )
 from specdec.request import EngineError
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -43,12 +47,20 @@ class Overrides:
 
 
 class EnginePolicy:
-    def __init__(self, settings: PolicySettings | None = None) -> None:
+    def __init__(self, settings: PolicySettings | None = None, clock=time.monotonic) -> None:
         self.config = PolicyConfig(**(settings or PolicySettings()).model_dump())
         self.acceptance = AcceptanceTracker(self.config)
         self.lengths = LengthEstimator(self.config)
-        self.step_cost = StepCostModel()
-        self.draft_round_cost = DraftCostModel()
+        self.clock = clock
+        self.step_cost = StepCostModel(clock)
+        self.draft_round_cost = DraftCostModel(clock)
+        # A draft not yet run for real is corrected as far as the target's calibration was.
+        self.draft_round_cost.borrow = self.step_cost.calibration_error
+        # Probe steps (see _plan_probe): this step's, the last one's time, counts by shape.
+        self._probe: tuple[str, str, int] | None = None
+        self._last_probe = -math.inf
+        self._plain_turn = True  # a speculating batch alternates plain and verify probes
+        self.probes: collections.Counter = collections.Counter()
         self._overlapped = False  # the engine drafts during verification (round cost max)
         self.draft_cost: float | None = None  # c as a moving average, for display/fallback
         self._step_seen = -1
@@ -77,14 +89,16 @@ class EnginePolicy:
         alpha = {m: self.acceptance.alpha(m) for m in methods}
         curves = {m: self.acceptance.curve(m, self.config.k_max) for m in methods}
         if wanted.mode == "on":
-            method = wanted.method or ("draft" if "draft" in methods else "ngram")
-            if method not in methods:
-                raise EngineError(f"speculative.mode 'on' but no proposer is available "
-                                  f"(available: {methods})", param="speculative.mode")
-            d = self._decide([method], alpha, math.inf, lw, curves, method, wanted.k)
-            if d.k == 0:  # "on" means speculate: take a k even below break-even
-                d = self._decide([method], alpha, math.inf, lw, curves, method,
-                                 min(4, self.config.k_max))
+            method = wanted.method or ("draft" if "draft" in methods else
+                                       "ngram" if "ngram" in methods else None)
+            if method is None:
+                return Decision("plain", "none", 0, "request asked for speculation, but no "
+                                f"proposer is available (available: {methods})", 1.0, {},
+                                "no_proposer")
+            # "on" means speculate, every round: the request's k, or the best k >= 1 even
+            # below break-even (the engine holds every round of it to k >= 1).
+            d = self._decide([method], alpha, math.inf, lw, curves, method, wanted.k,
+                             speculate=True)
             d.reason, d.why = "request asked for speculation; " + d.reason, "request"
             return d
         expected = self.lengths.expected(prompt_tokens, max_tokens, has_stop)
@@ -111,13 +125,16 @@ class EnginePolicy:
         curves = {m: [0.95 ** i for i in range(1, self.config.k_max + 1)] for m in methods}
         return self._decide(methods, sure, expected, load, curves).mode == "speculative"
 
-    def _decide(self, methods, alpha, expected, load, curves, method=None, k=None) -> Decision:
-        config = self.config
-        if self.draft_cost is not None:
-            config = dataclasses.replace(config, draft_cost_ratio=self.draft_cost)
-        return decide(config, methods, alpha, expected, load, self.step_cost,
+    def _decide(self, methods, alpha, expected, load, curves, method=None, k=None,
+                speculate: bool = False) -> Decision:
+        return decide(self._config(), methods, alpha, expected, load, self.step_cost,
                       forced_method=method, forced_k=k, draft_cost=self.draft_round_cost,
-                      curves=curves, overlapped=self._overlapped)
+                      curves=curves, overlapped=self._overlapped, speculate=speculate)
+
+    def _config(self) -> PolicyConfig:
+        if self.draft_cost is None:
+            return self.config
+        return dataclasses.replace(self.config, draft_cost_ratio=self.draft_cost)
 
     @staticmethod
     def _load(load: dict, joining: int = 0) -> Load:
@@ -148,23 +165,82 @@ class EnginePolicy:
         if engine.steps != self._step_seen:
             self._step_seen, self._k_cache = engine.steps, {}
             self._overlapped = _overlapping(engine)  # admissions use it too
+            self._probe = self._plan_probe(engine.load())
+        if self._probe is not None:
+            _, method, k = self._probe
+            if k == 0 and not req.speculate:
+                return 0
+            if k and req.method == method:
+                return k
         own = spec.policy_trials
         bucket = None
         if spec.rounds >= self.config.collapse_rounds and own:
             bucket = round(10 * spec.accepted / own)
-        key = (req.method, req.k, bucket, spec.rounds >= self.config.collapse_rounds)
+        key = (req.method, req.k, bucket, spec.rounds >= self.config.collapse_rounds,
+               req.speculate)
         if key not in self._k_cache:
-            config = self.config if self.draft_cost is None else dataclasses.replace(
-                self.config, draft_cost_ratio=self.draft_cost)
             load = self._load(engine.load())
             # The request's own acceptance, as its bucket (trials 10, kept = bucket).
             trials, kept = (0, 0) if bucket is None else (10, bucket)
             self._k_cache[key] = revisit(
-                config, req.method, trials, kept, spec.rounds,
+                self._config(), req.method, trials, kept, spec.rounds,
                 self.acceptance.alpha(req.method), load, self.step_cost,
                 self.draft_round_cost, self.acceptance.curve(req.method, self.config.k_max),
-                overlapped=self._overlapped)
+                overlapped=self._overlapped, speculate=req.speculate)
         return self._k_cache[key]
+
+    def probing(self) -> tuple[str, str, int] | None:
+        """This step's probe (see _plan_probe), or None."""
+        return self._probe
+
+    def _plan_probe(self, raw: dict) -> tuple[str, str, int] | None:
+        """A probe for this step, or None: ("verify", method, k) makes the rows that follow
+        the policy draft k although the batch would run plain; ("plain", "none", 0) makes a
+        speculating batch run one plain step. Only for a shape not run for real within
+        probe_interval_s, at most once per interval, and only while nothing waits: the
+        calibration that priced it may have run on a busy machine, and a batch that never
+        runs a shape never learns what it costs now. One step in an interval is the price."""
+        interval = self.config.probe_interval_s
+        now = self.clock()
+        following = raw.get("following") or {}
+        if not interval or now - self._last_probe < interval or raw.get("waiting", 0) \
+                or not following:
+            return None
+        method = max(following, key=lambda m: (following[m], m == "draft"))
+        if method == "none":
+            return None
+        load = self._load(raw)
+        alpha = {method: self.acceptance.alpha(method)}
+        curves = {method: self.acceptance.curve(method, self.config.k_max)}
+        base = load.running + load.prefill_tokens
+        drafting = max(load.running - min(load.pinned, load.running - 1), 1)
+
+        def stale(tokens: float) -> bool:
+            seen = self.step_cost.last_live_at(round(tokens))
+            return seen is None or now - seen >= interval
+
+        batch = self._decide([method], alpha, math.inf, load, curves, method)
+        # The verify shapes the batch does not run, best expected first: a plain batch
+        # probes the one that would pay best if it was priced wrong; a speculating batch
+        # takes turns between that and a plain step (is plain still slower?).
+        options = sorted((self._decide([method], alpha, math.inf, load, curves, method, k)
+                          for k in range(1, self.config.k_max + 1)
+                          if k != batch.k and stale(base + drafting * k)),
+                         key=lambda d: -d.expected_speedup)
+        plain_ok = batch.k and not raw.get("speculating_on_request") and stale(base)
+        probe = None
+        if plain_ok and (self._plain_turn or not options):
+            probe = ("plain", "none", 0)
+        elif options:
+            probe = ("verify", method, options[0].k)
+        if batch.k:
+            self._plain_turn = probe is not None and probe[0] == "verify"
+        if probe is not None:
+            self._last_probe = now
+            self.probes[probe[0]] += 1
+            log.info("probing a %s step (method %s, k %d) at %d rows: its shape was not run "
+                     "for %.0f s", probe[0], probe[1], probe[2], load.running, interval)
+        return probe
 
     # ---- observations ----------------------------------------------------------------
 
@@ -215,6 +291,7 @@ class EnginePolicy:
                                  for m in methods},
             "step_cost_fit": self.step_cost.fit(), "draft_cost_ratio": self.draft_cost,
             "draft_round_fit": self.draft_round_cost.fit(),
+            "step_costs": self.step_cost.report(), "probes": dict(self.probes),
         }
 
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import numpy as np
-
 from specdec.cost_model import expected_tokens_per_round
+from specdec.measured_costs import DraftCostModel, StepCostModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +37,10 @@ class PolicyConfig:
     # When the estimate says plain, still speculate on this share of requests: without
     # trials the estimate could never learn that speculation pays again.
     explore_share: float = 0.05
+    # A step shape the batch does not run (a verify while it runs plain, a plain step while
+    # it speculates) is measured again by one probe step at most this often, while nothing
+    # waits: the start-up calibration is a prior, and a wrong one must not rule for good.
+    probe_interval_s: float = 20.0
 
 
 class AcceptanceTracker:
@@ -120,166 +123,6 @@ class LengthEstimator:
         return max_tokens * (0.5 if has_stop else 1.0)
 
 
-class _OnlineFit:
-    """Least-squares fit over the last 512 observations plus the start-up calibration's
-    (anchors, kept for good: steady traffic often has one batch shape only, which alone
-    cannot tell a fixed cost from a per-token one), or a fit given as is. The fit is solved
-    once per new observation, not once per question: the policy asks it for every k of
-    every row of every step."""
-
-    def __init__(self) -> None:
-        self.samples: list[tuple[float, ...]] = []
-        self.anchors: list[tuple[float, ...]] = []
-        self._fixed: tuple[float, ...] | None = None
-        self._solved: tuple | None = None  # (fit, extra) once solved
-
-    @classmethod
-    def with_fit(cls, fit):
-        m = cls()
-        if fit is not None:
-            m._fixed = tuple(float(x) for x in fit)
-        return m
-
-    def _add(self, sample: tuple[float, ...]) -> None:
-        self.samples.append(sample)
-        del self.samples[:-512]
-        self._solved = None
-
-    def anchor(self, sample: tuple[float, ...]) -> None:
-        self.anchors.append(sample)
-        self._solved = None
-
-    def _all(self) -> list[tuple[float, ...]]:
-        return self.anchors + self.samples
-
-    def fit(self):
-        if self._fixed is not None:
-            return self._fixed
-        if self._solved is None:
-            self._solved = (self._solve(), self._extra())
-        return self._solved[0]
-
-    def derived(self):
-        """What _extra derived from the samples along with the fit (None for a given fit)."""
-        if self._fixed is not None:
-            return None
-        self.fit()
-        return self._solved[1]
-
-    def _solve(self):
-        raise NotImplementedError
-
-    def _extra(self):
-        return None
-
-
-class StepCostModel(_OnlineFit):
-    """Step time as a function of the tokens in the target's forward, measured online.
-
-    A straight line a + b * tokens (least squares) is reported, but costs are read from
-    the measured points themselves (the median time at each token count seen, joined
-    by straight segments) wherever they exist: a target is memory bound for a few tokens
-    and compute bound beyond (a roofline), so one line through both regions overrates
-    small steps and underrates large verifies. On a 2-core CPU: 4 tokens 159 ms, 20 tokens
-    510 ms; the line through all steps put 20 tokens at 456 ms and 4 at 200. The verify cost
-    v of adding k tokens per row is the ratio of step times with and without them."""
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        self._add((float(tokens), seconds))
-
-    def calibrate(self, tokens: int, seconds: float) -> None:
-        self.anchor((float(tokens), seconds))
-
-    def _solve(self) -> tuple[float, float] | None:
-        pts = self._all()
-        if len(pts) < 8:
-            return None
-        n = len(pts)
-        mx = sum(x for x, _ in pts) / n
-        my = sum(y for _, y in pts) / n
-        var = sum((x - mx) ** 2 for x, _ in pts)
-        if var <= 0:
-            return None
-        b = sum((x - mx) * (y - my) for x, y in pts) / var
-        a = my - b * mx
-        return (max(a, 1e-6), max(b, 0.0))
-
-    def _extra(self) -> list[tuple[float, float]]:
-        """(tokens, median seconds) per token count seen, ascending."""
-        by: dict[float, list[float]] = {}
-        for x, y in self._all():
-            by.setdefault(x, []).append(y)
-        pts, top = [], 0.0
-        for x, ys in sorted(by.items()):
-            # Never cheaper for more tokens: noise between neighbouring counts must not
-            # make a verify look cheaper than the plain step it extends.
-            top = max(top, float(np.median(ys)))
-            pts.append((x, top))
-        return pts
-
-    def step_seconds(self, tokens: float) -> float | None:
-        fit = self.fit()
-        if fit is None:
-            return None
-        pts = self.derived()
-        if not pts or len(pts) < 2:
-            return fit[0] + fit[1] * tokens
-        xs = [x for x, _ in pts]
-        if tokens <= xs[0]:
-            return pts[0][1]
-        if tokens >= xs[-1]:
-            # Beyond the largest step seen: on at the steeper of the last segment's slope
-            # and the line's (costs per token only grow once compute bound).
-            (x0, y0), (x1, y1) = pts[-2], pts[-1]
-            slope = max((y1 - y0) / (x1 - x0), fit[1])
-            return y1 + slope * (tokens - x1)
-        i = int(np.searchsorted(xs, tokens))
-        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
-        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
-
-    def verify_cost(self, base_tokens: float, extra_tokens: float) -> float:
-        base = self.step_seconds(base_tokens)
-        if base is None:
-            return 1.0  # memory-bound assumption until measured
-        return self.step_seconds(base_tokens + extra_tokens) / max(base, 1e-9)
-
-
-class DraftCostModel(_OnlineFit):
-    """Draft time of one round as d0 + k * (e0 + e1 * rows), fitted online (least squares).
-
-    d0 is paid once per round whatever k is (the call into the draft, catching its cache up
-    with the tokens the target added); e0 + e1 * rows is one batched draft forward, run k
-    times in sequence. A flat c * k misses d0 and so under-rates longer drafts."""
-
-    def observe(self, k: int, rows: int, seconds: float) -> None:
-        if k > 0 and rows > 0:
-            self._add((float(k), float(rows), seconds))
-
-    def calibrate(self, k: int, rows: int, seconds: float) -> None:
-        if k > 0 and rows > 0:
-            self.anchor((float(k), float(rows), seconds))
-
-    def _solve(self) -> tuple[float, float, float] | None:
-        pts = self._all()
-        if len(pts) < 4 or len({k for k, _, _ in pts}) < 2:
-            return None  # one k only: the fixed and the per-guess parts cannot be told apart
-        k = np.array([s[0] for s in pts])
-        rows = np.array([s[1] for s in pts])
-        y = np.array([s[2] for s in pts])
-        x = np.stack([np.ones_like(k), k, k * rows], axis=1)
-        if len(set(rows.tolist())) < 2:
-            x = x[:, :2]  # one batch size only: no slope in rows
-        coef = np.linalg.lstsq(x, y, rcond=None)[0].tolist() + [0.0]
-        return (max(coef[0], 0.0), max(coef[1], 1e-6), max(coef[2], 0.0))
-
-    def round_seconds(self, k: int, rows: int) -> float | None:
-        fit = self.fit()
-        if fit is None:
-            return None
-        d0, e0, e1 = fit
-        return d0 + k * (e0 + e1 * rows)
-
-
 @dataclasses.dataclass
 class Load:
     """The batch a decision is made for. The plain step it is compared with holds one token
@@ -321,7 +164,7 @@ def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
            forced_method: str | None = None, forced_k: int | None = None,
            draft_cost: DraftCostModel | None = None,
            curves: dict[str, list[float]] | None = None,
-           overlapped: bool = False) -> Decision:
+           overlapped: bool = False, speculate: bool = False) -> Decision:
     """Choose method and k for a request about to start (or for its next round).
 
     overlapped (specdec/overlap.py): the draft drafts while the target verifies, so a
@@ -336,7 +179,10 @@ def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
 
     The decision is for the batch: every row that is not pinned plain drafts the same k
     (they all follow it), so the verify holds (rows - pinned) * k guesses and the draft runs
-    that many rows; the speedup is the batch's goodput over its all-plain goodput."""
+    that many rows; the speedup is the batch's goodput over its all-plain goodput.
+
+    speculate (the request asked for it, mode "on"): the best k >= 1 whatever it is worth;
+    plain only when no proposer is available."""
     inputs = {"expected_tokens": round(expected_tokens, 1) if math.isfinite(expected_tokens)
               else None, "running": load.running, "pinned": load.pinned,
               "waiting": load.waiting, "prefill_tokens": round(load.prefill_tokens, 1),
@@ -346,18 +192,16 @@ def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
     if not methods:
         return Decision("plain", "none", 0, "no proposer available", 1.0, inputs,
                         "no_proposer")
-    if expected_tokens < config.min_expected_tokens and forced_k is None:
+    if expected_tokens < config.min_expected_tokens and forced_k is None and not speculate:
         return Decision("plain", "none", 0, f"short output expected ({expected_tokens:.0f} "
                         f"< {config.min_expected_tokens} tokens)", 1.0, inputs,
                         "short_output")
-    best = Decision("plain", "none", 0, "no k beats plain decoding at this load and acceptance",
-                    1.0, inputs, "no_gain")
     candidates = [forced_method] if forced_method else methods
     rows = max(load.running, 1)
     drafting = max(rows - min(load.pinned, rows - 1), 1)  # the rows that follow the decision
     base = rows + load.prefill_tokens  # a plain step: one token per row
     plain_step = cost.step_seconds(base)
-    standby, standby_s = None, -1.0
+    best: Decision | None = None  # the best speculative choice, worth it or not
     for m in candidates:
         c = config.draft_cost_ratio if m == "draft" else config.ngram_cost_ratio
         ks = [forced_k] if forced_k is not None else range(1, config.k_max + 1)
@@ -375,25 +219,27 @@ def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
                 per_row = expected_tokens_per_round(alpha.get(m, 0.5), k)
             # Tokens per round of the whole batch over what its plain step makes (rows).
             s = (rows - drafting + drafting * per_row) / rows / round_cost
-            if s > standby_s:
-                standby, standby_s = m, s
-            if forced_k is not None or s > best.expected_speedup:
+            if best is None or s > best.expected_speedup:
                 best = Decision("speculative", m, k, f"best expected goodput: {s:.2f}x plain "
                                 f"(alpha {alpha.get(m, 0.5):.2f}, c {c:.2f}, v {v:.2f})",
-                                s, inputs, "forced" if forced_k is not None else "goodput")
-    if best.mode == "speculative" and forced_k is None and \
-            best.expected_speedup < config.min_speedup:
+                                s, inputs, "goodput")
+    if forced_k is not None or speculate:
+        best.why = "forced" if forced_k is not None else "request"
+        return best
+    if best.expected_speedup <= 1.0:
+        return Decision("plain", "none", 0, "no k beats plain decoding at this load and "
+                        f"acceptance (best: k {best.k}, {best.expected_speedup:.2f}x)",
+                        best.expected_speedup, inputs, "no_gain", best.method)
+    if best.expected_speedup < config.min_speedup:
         return Decision("plain", "none", 0, f"best speculation only {best.expected_speedup:.2f}x",
-                        best.expected_speedup, inputs, "no_gain", standby)
-    if best.mode == "plain":
-        best.standby = standby
+                        best.expected_speedup, inputs, "no_gain", best.method)
     return best
 
 
 def revisit(config: PolicyConfig, method: str, own_trials: int, own_kept: int,
             rounds: int, method_alpha: float, load: Load, cost: StepCostModel,
             draft_cost: DraftCostModel | None = None, curve: list[float] | None = None,
-            overlapped: bool = False) -> int:
+            overlapped: bool = False, speculate: bool = False) -> int:
     """k for a running request's next round: its own acceptance (once trusted) blended with
     the method's, under the current load; 0 when its acceptance collapsed. The method's
     curve is rescaled by (blended alpha / method alpha)^i for this request. The same for a
@@ -403,7 +249,7 @@ def revisit(config: PolicyConfig, method: str, own_trials: int, own_kept: int,
         return 0
     if rounds >= config.collapse_rounds and own_trials:
         own = own_kept / own_trials
-        if own < config.collapse_alpha:
+        if own < config.collapse_alpha and not speculate:
             return 0
         w = min(1.0, rounds / (4.0 * config.collapse_rounds))
         alpha = w * own + (1 - w) * method_alpha
@@ -414,5 +260,6 @@ def revisit(config: PolicyConfig, method: str, own_trials: int, own_kept: int,
         ratio = alpha / max(method_alpha, 1e-6)
         curves = {method: [min(1.0, r * ratio ** i) for i, r in enumerate(curve, 1)]}
     d = decide(config, [method], {method: alpha}, math.inf, load, cost, forced_method=method,
-               draft_cost=draft_cost, curves=curves, overlapped=overlapped)
+               draft_cost=draft_cost, curves=curves, overlapped=overlapped,
+               speculate=speculate)
     return d.k

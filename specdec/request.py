@@ -22,6 +22,9 @@ class Request:
     k: int = 0                       # draft tokens per round; 0 = plain decoding
     on_output: Callable[[RequestOutput], None] | None = None
     fixed_k: bool = False            # the caller pinned k: the policy must not revisit it
+    # The caller asked for speculation (mode "on"): every round drafts at least one guess
+    # while its proposer is up, whatever the policy's costs say.
+    speculate: bool = False
     arrival: float = 0.0             # time.monotonic() when the engine took it (set there)
 
 
@@ -61,6 +64,10 @@ class CapacityError(EngineError):
     pass
 
 
+class TargetDown(CapacityError):
+    """The target is being rebuilt after a loss: no request can start until it is back."""
+
+
 class TargetLost(RuntimeError):
     """The target runner lost its model (a rank died, a call timed out): every request it
-    held is gone; the runner rebuilds before it raises this."""
+    held is gone; the runner rebuilds it in the background (see TargetDown)."""

@@ -129,7 +129,8 @@ def test_standby_requests_follow_the_batch_decision(tiny_llama, tiny_llama_draft
     from specdec.engine_config import PolicySettings
     from specdec.engine_policy import EnginePolicy
 
-    policy = EnginePolicy(PolicySettings(explore_share=0.0))
+    # No probes: this is about the batch's decision from given costs (probes: test_policy).
+    policy = EnginePolicy(PolicySettings(explore_share=0.0, probe_interval_s=0))
     # A roofline target: a verify of 4 rows x k guesses costs 2-4 plain steps, of 1 row
     # none extra; a draft guess costs 0.3 of a plain step. Alone it pays, at 4 rows not.
     for t, s in ((1, 0.16), (2, 0.16), (4, 0.16), (8, 0.30), (16, 0.38), (24, 0.61),

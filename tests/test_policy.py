@@ -110,7 +110,7 @@ def test_draft_round_cost_fit_recovers_fixed_and_per_guess_parts():
     assert m.fit() is None
     for k in (2, 4, 4):
         m.observe(k, 3, 0.05 + k * (0.02 + 0.004 * 3))
-    assert m.fit() is None  # too few samples yet (3 for 3 parameters)
+    assert m.fit() is None  # too few shapes yet (2 for 3 parameters)
     for k, rows in ((1, 1), (3, 8), (5, 2), (6, 6), (2, 8), (4, 1)):
         m.observe(k, rows, 0.05 + k * (0.02 + 0.004 * rows))
     d0, e0, e1 = m.fit()
