@@ -30,9 +30,12 @@ models: install
 # exports otherwise steal enough CPU to slow every decode step (see deployments/launch.py).
 SERVE_ENV := RAY_SERVE_CONTROL_LOOP_INTERVAL_S=1 RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=1000
 
+# `specdec wait-ready` prints each start-up phase and a READY line once a request is served
+# at full speed (Serve's own "ready" comes earlier, when only the HTTP router is up).
 serve: install
 	$(BIN)/specdec models fetch qwen-pair
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(SERVE_ENV) $(BIN)/serve run serve_config.yaml
+	$(BIN)/specdec wait-ready http://127.0.0.1:8000 --parent-pid $$$$ & \
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(SERVE_ENV) exec $(BIN)/serve run serve_config.yaml
 
 lint: install
 	$(BIN)/ruff check specdec deployments tests

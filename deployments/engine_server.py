@@ -12,15 +12,17 @@ import threading
 import time
 import uuid
 
+from ray import serve
 from ray.util import get_current_placement_group
 
 from deployments.metrics import EngineMetrics
 from deployments.procinfo import rss_mb
 from deployments.ray_backend import RayBackend
+from deployments.startup import StartupReporter
 from specdec.assemble import assemble
 from specdec.engine_config import EngineSpec
 from specdec.engine_policy import Overrides
-from specdec.request import CapacityError, EngineError
+from specdec.request import CapacityError, EngineError, TargetDown
 from specdec.sampling import SamplingParams
 from specdec.timeline import timeline_summary
 from specdec.watchdog import Watchdog
@@ -32,8 +34,18 @@ class EngineServer:
     def __init__(self, config: dict, replica_cpus: float = 0.0) -> None:
         spec = EngineSpec.model_validate(config)
         pg = get_current_placement_group()
-        # Warm-up runs inside assemble(): the replica is not ready before it is done.
-        self.built = assemble(spec, RayBackend(pg, replica_cpus if pg is not None else None))
+        # Warm-up and calibration run inside assemble(): the replica is not a replica (Serve
+        # routes nothing to it, `serve status` is not RUNNING) before they are done, and
+        # meanwhile the router answers 503 with the phase reported here.
+        ctx = serve.get_replica_context()
+        startup = StartupReporter(ctx.app_name, ctx.replica_tag)
+        try:
+            self.built = assemble(spec, RayBackend(pg, replica_cpus if pg is not None else None),
+                                  on_phase=startup.phase)
+        finally:
+            startup.done()
+        self.started_s = time.time() - startup.started
+        log.info("engine replica ready to serve, %.0f s after it started", self.started_s)
         self.engine, self.policy = self.built.engine, self.built.policy
         self.metrics = EngineMetrics()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = {}
@@ -113,6 +125,10 @@ class EngineServer:
             try:
                 req, decision = self.built.submit(rid, payload["prompt_ids"], params, wanted,
                                                   self._deliver)
+            except TargetDown as exc:
+                self.metrics.refused("target_down")
+                yield {"error": str(exc), "error_kind": "target_down", "finished": True}
+                return
             except CapacityError as exc:
                 self.metrics.refused("capacity")
                 yield {"error": str(exc), "error_kind": "capacity", "finished": True}
@@ -140,6 +156,11 @@ class EngineServer:
                 self.engine.abort(rid)
                 self._wake.set()
 
+    async def ready(self) -> bool:
+        """Answers only once the constructor is done: weights loaded, warmed up, costs
+        calibrated. The router asks before it reports the service ready."""
+        return True
+
     async def load(self) -> dict:
         load = self.engine.load()
         methods = self.built.methods()
@@ -148,8 +169,17 @@ class EngineServer:
         load.update({
             "methods": methods,
             "target_failures": getattr(self.engine.target, "failures", 0),
+            "target_down": getattr(self.engine.target, "down", None),
+            "target_last_rebuild_s": getattr(self.engine.target, "last_rebuild_s", None),
+            "target_last_start": getattr(getattr(self.engine.target, "group", None),
+                                         "last_start", None),
+            "draft_last_start": getattr(getattr(draft, "group", None), "last_start", None),
             "draft_failures": getattr(draft, "failures", 0),
             "timeline": timeline_summary(list(self.engine.history)[-32:]),
+            # The start-up calibration, as a prior: how noisy it was, how long it took.
+            "calibration": {k: v for k, v in (self.built.calibration or {}).items()
+                            if k != "runs"} or None,
+            "started_s": round(self.started_s, 1),
             "memory_mb": await self._memory(),
             "time": time.time(),
         })
@@ -180,8 +210,11 @@ class EngineServer:
         if stalled is not None:
             raise RuntimeError(f"engine loop made no progress for {stalled:.0f}s with work "
                                "waiting")
-        if not self.engine.target.group.actors:
-            raise RuntimeError("target group is down and could not be rebuilt")
+        target = self.engine.target
+        if getattr(target, "rebuild_failures", 0) >= 3:
+            # A rebuild in progress is not a failure (requests get 503 meanwhile); one that
+            # keeps failing is: Serve then replaces this replica whole.
+            raise RuntimeError(f"target group could not be rebuilt: {target.down}")
 
     def __del__(self) -> None:
         self._stop = True

@@ -41,6 +41,7 @@ from deployments.openai_api import (
     error_response,
     validation_message,
 )
+from deployments.startup import waiting_for
 from specdec.generate import load_tokenizer
 from specdec.hub import resolve
 
@@ -107,6 +108,13 @@ class RouterServer:
         # only to keep the event loop free.
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, "tokenize")
         self._openapi: dict | None = None
+        # Whether an engine replica has answered since this router started: until one
+        # does, every route but /openapi.json answers 503 saying what the service waits for.
+        self._engine_seen = False
+        try:
+            self.app_name = serve.get_replica_context().app_name
+        except Exception:  # noqa: BLE001 - outside a replica (tests of the class itself)
+            self.app_name = ""
 
     def openapi_schema(self) -> dict:
         """The API's schema, naming the models this server takes, so a client generator
@@ -130,14 +138,34 @@ class RouterServer:
         return scheme.lower() == "bearer" and hmac.compare_digest(
             token.strip().encode(), self.api_key.encode())
 
-    def _check(self, request: Request, req) -> None:
+    async def _check(self, request: Request, req) -> None:
+        self._check_key(request)
+        if req.model not in (self.model_name, self.args.target.model):
+            raise APIError(404, f"model {req.model!r} does not exist; this server serves "
+                                f"{self.model_name!r}", param="model", code="model_not_found")
+        await self._wait_for_engine()
+
+    def _check_key(self, request: Request) -> None:
         if not self._authorize(request):
             raise APIError(401, "missing or wrong API key: send Authorization: Bearer <key>",
                            "authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
-        if req.model not in (self.model_name, self.args.target.model):
-            raise APIError(404, f"model {req.model!r} does not exist; this server serves "
-                                f"{self.model_name!r}", param="model", code="model_not_found")
+
+    async def _wait_for_engine(self, timeout_s: float = 1.0) -> None:
+        """Raise 503 (Retry-After, what start-up is doing) until an engine replica serves.
+        An engine replica answers only once weights are loaded, warmed up and its costs
+        calibrated, so a request let through here is served at full speed at once."""
+        if self._engine_seen:
+            return
+        try:
+            await asyncio.wait_for(self.engine.ready.remote(), timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - not constructed yet, or being placed
+            raise APIError(503, f"not ready: {waiting_for(self.app_name)}; retry",
+                           "service_unavailable", code="engine_starting",
+                           headers={"Retry-After": RETRY_AFTER_S}) from None
+        if not self._engine_seen:
+            self._engine_seen = True
+            log.info("an engine replica serves: the service is ready to take requests")
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
@@ -241,6 +269,9 @@ class RouterServer:
 
     @staticmethod
     def _raise_for(chunk: dict) -> None:
+        if chunk.get("error_kind") == "target_down":
+            raise APIError(503, chunk["error"], "service_unavailable",
+                           code="engine_unavailable", headers={"Retry-After": RETRY_AFTER_S})
         if chunk.get("error_kind") == "capacity":
             raise APIError(503, chunk["error"], "overloaded_error", code="overloaded",
                            headers={"Retry-After": RETRY_AFTER_S})
@@ -317,13 +348,23 @@ class Router(RouterServer):
     @api.get("/health")
     async def health(self, request: Request):
         """ok / not ok for anyone; the engine's details only with the API key (if one is
-        configured)."""
+        configured). 503 while the engine starts (saying what it waits for) or when no
+        engine replica answers."""
+        try:
+            await self._wait_for_engine()
+        except APIError as exc:
+            return JSONResponse(status_code=503, headers={"Retry-After": RETRY_AFTER_S},
+                                content={"status": "starting", "reason": exc.message})
         try:
             load = await asyncio.wait_for(self.engine.load.remote(), timeout=5)
         except Exception as exc:  # noqa: BLE001
             return JSONResponse(status_code=503, headers={"Retry-After": RETRY_AFTER_S},
                                 content={"status": "unavailable",
                                          "reason": f"engine unavailable: {type(exc).__name__}"})
+        if load.get("target_down"):
+            return JSONResponse(status_code=503, headers={"Retry-After": RETRY_AFTER_S},
+                                content={"status": "unavailable",
+                                         "reason": load["target_down"]})
         if not self._authorize(request):
             return {"status": "ok"}
         return {"status": "ok", "model": self.model_name, "engine": load}
@@ -334,17 +375,15 @@ class Router(RouterServer):
 
     @api.get("/v1/models", responses=_ERRORS)
     async def models(self, request: Request) -> dict:
-        if not self._authorize(request):
-            raise APIError(401, "missing or wrong API key: send Authorization: Bearer <key>",
-                           "authentication_error", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
+        self._check_key(request)
+        await self._wait_for_engine()
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": 0, "owned_by": "specdec-serve",
             "max_model_len": self.max_len}]}
 
     @api.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(self, body: CompletionRequest, request: Request):
-        self._check(request, body)
+        await self._check(request, body)
         if isinstance(body.prompt, str):
             ids = (await self._off_loop(self.tokenizer, body.prompt)).input_ids
         else:
@@ -359,7 +398,7 @@ class Router(RouterServer):
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses=_ERRORS)
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        self._check(request, body)
+        await self._check(request, body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
 
         def template():

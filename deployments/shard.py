@@ -89,8 +89,10 @@ class ModelShard:
         rss_before = peak_rss_mb()
         # Every rank projects its slice of the vocabulary (a draft's limit applies to all).
         limit = self.extra.get("vocab_limit") if self.role == "draft" else None
+        t_load = time.perf_counter()
         local = Decoder.from_checkpoint(path, self.dtype, self.device,
                                         ShardSpec(self.rank, self.world), vocab_limit=limit)
+        load_s = time.perf_counter() - t_load
         self.group.attach(local)
         cache = local.new_cache(self.max_slots, self.max_len)
         self.local, self.cache = local, cache
@@ -110,7 +112,8 @@ class ModelShard:
                 "kv_cache_mb": 2 * cache.k.numel() * cache.k.element_size() / 2**20,
                 "peak_rss_mb": peak_rss_mb(), "rss_before_load_mb": rss_before,
                 "rss_anon_mb": rss_anon_mb(), "threads": torch.get_num_threads(),
-                "vocab_size": local.cfg.vocab_size, "format": local.format.name}
+                "vocab_size": local.cfg.vocab_size, "format": local.format.name,
+                "load_s": load_s}
 
     @ray.method(concurrency_group="compute")
     def follow(self) -> int:

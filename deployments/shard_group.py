@@ -36,6 +36,9 @@ class ShardGroup:
         self.followers: list = []
         self.stats: list[dict] = []
         self.generation = 0  # how many times the group was (re)built
+        # Where the last start's time went (s): processes up, ranks joined with weights
+        # loaded (load_s: the slowest rank's weight load), in all.
+        self.last_start: dict[str, float] = {}
         self._uid = uuid.uuid4().hex[:8]
 
     @property
@@ -70,6 +73,7 @@ class ShardGroup:
             self.runtime.max_len, threads, self.extra) for r in range(world)]
         try:
             ip, port = ray.get(self.leader.address.remote(), timeout=self.runtime.init_timeout_s)
+            t_up = time.monotonic()
             init = f"tcp://{ip}:{port}"
             self.stats = ray.get([a.setup.remote(init, self.runtime.collective_timeout_s)
                                   for a in self.actors], timeout=self.runtime.init_timeout_s)
@@ -78,7 +82,12 @@ class ShardGroup:
             raise GroupFailed(f"{self.role} group did not start: {exc}") from exc
         self.followers = [a.follow.remote() for a in self.actors[1:]]
         self.generation += 1
-        log.info("%s group of %d ready in %.1fs", self.role, world, time.monotonic() - t0)
+        done = time.monotonic()
+        self.last_start = {"process_s": round(t_up - t0, 2), "setup_s": round(done - t_up, 2),
+                           "load_s": round(max(s.get("load_s", 0.0) for s in self.stats), 2),
+                           "total_s": round(done - t0, 2)}
+        log.info("%s group of %d ready in %.1fs (%s)", self.role, world, done - t0,
+                 self.last_start)
         return self.stats
 
     def call(self, method: str, *args, timeout: float | None = None):

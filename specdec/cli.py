@@ -120,6 +120,12 @@ def _cluster_rayservice(args) -> int:
     return 0
 
 
+def _wait_ready(args) -> int:
+    from specdec.wait_ready import wait_ready
+
+    return 0 if wait_ready(args.url, args.timeout, args.parent_pid) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -196,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where Grafana reaches the Prometheus that scrapes Ray")
     g_prov.add_argument("--folder", default="specdec")
     g_prov.set_defaults(func=_grafana_provision)
+
+    w = sub.add_parser("wait-ready", help="say when a starting service takes requests")
+    w.add_argument("url", nargs="?", default="http://127.0.0.1:8000")
+    w.add_argument("--timeout", type=float, default=1800.0, help="seconds (default 1800)")
+    w.add_argument("--parent-pid", type=int, default=None,
+                   help="stop waiting when this process exits (the `serve run` beside it)")
+    w.set_defaults(func=_wait_ready)
 
     bench = sub.add_parser("bench", help="benchmarks that print tables").add_subparsers(
         dest="bench_cmd", required=True)
