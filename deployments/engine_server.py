@@ -48,6 +48,7 @@ class EngineServer:
         log.info("engine replica ready to serve, %.0f s after it started", self.started_s)
         self.engine, self.policy = self.built.engine, self.built.policy
         self.metrics = EngineMetrics()
+        self.metrics.calibrated(self.built.calibration)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = {}
         self._wake = threading.Event()
         self._stop = False

@@ -70,6 +70,13 @@ class EngineMetrics:
                            tag_keys=m)
         self.draft_cost_ratio = Gauge("specdec_router_draft_cost_ratio",
                                       "draft step / target step the policy uses")
+        self.probes = Counter("specdec_policy_probes",
+                              "probe steps: a step shape the batch did not run, measured "
+                              "(verify while plain, plain while speculating)", tag_keys=("shape",))
+        self.calibration_noisy = Gauge(
+            "specdec_calibration_noisy", "1 when the start-up calibration ran on a busy or "
+            "noisy machine (its costs are a prior that live steps replace)")
+        self._probes_seen: dict[str, int] = {}
         self._gauges_at = 0.0
 
     def admitted(self, method: str) -> None:
@@ -104,6 +111,14 @@ class EngineMetrics:
             self.alpha.set(policy.acceptance.alpha(method), tags={"method": method})
         c = policy.draft_cost if policy.draft_cost is not None else policy.config.draft_cost_ratio
         self.draft_cost_ratio.set(c)
+        for shape, n in policy.probes.items():
+            new = n - self._probes_seen.get(shape, 0)
+            if new > 0:
+                self.probes.inc(new, tags={"shape": shape})
+                self._probes_seen[shape] = n
+
+    def calibrated(self, calibration: dict | None) -> None:
+        self.calibration_noisy.set(1 if calibration and calibration.get("noisy") else 0)
 
     def finished(self, out) -> None:
         m = out.method

@@ -5,6 +5,8 @@ group is rebuilt. Timings are printed (pytest -s) for the README."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -66,8 +68,10 @@ def test_a_lost_target_fails_its_request_in_seconds_and_service_resumes(qwen_tar
                     assert time.monotonic() < deadline
                     time.sleep(0.2)
                 time.sleep(2.0)  # well inside its decode
+                # A lost worker as it happens (OOM killer, a crash): SIGKILL of its process.
                 name, ns = target_actor()
-                ray.kill(ray.get_actor(name, namespace=ns), no_restart=True)
+                pid = ray.get(ray.get_actor(name, namespace=ns).pid.remote())
+                os.kill(pid, signal.SIGKILL)
                 killed = time.monotonic()
                 t.join(timeout=120)
                 failed_s = time.monotonic() - killed
@@ -91,7 +95,8 @@ def test_a_lost_target_fails_its_request_in_seconds_and_service_resumes(qwen_tar
                 # The draft killed between requests: they run on (n-gram or plain) and
                 # draft again once it is rebuilt.
                 name, ns = draft_actor()
-                ray.kill(ray.get_actor(name, namespace=ns), no_restart=True)
+                pid = ray.get(ray.get_actor(name, namespace=ns).pid.remote())
+                os.kill(pid, signal.SIGKILL)
                 draft_killed, served, drafting_s = time.monotonic(), 0, None
                 while drafting_s is None:
                     got = client.post("/v1/completions", json={
