@@ -28,7 +28,10 @@ models: install
 # HTTP on 127.0.0.1:8000 (serve_config.yaml). Ctrl-C stops it.
 # Serve's upkeep at 1 s instead of 0.1 s: on a small machine its control loop and metric
 # exports otherwise steal enough CPU to slow every decode step (see deployments/launch.py).
-SERVE_ENV := RAY_SERVE_CONTROL_LOOP_INTERVAL_S=1 RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=1000
+# Ray's workers (the model shards) at the default priority, not nice 15: beside any other busy
+# process they would get ~3% of a core each.
+SERVE_ENV := RAY_SERVE_CONTROL_LOOP_INTERVAL_S=1 RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=1000 \
+	RAY_worker_niceness=0
 
 # `specdec wait-ready` prints each start-up phase and a READY line once a request is served
 # at full speed (Serve's own "ready" comes earlier, when only the HTTP router is up).

@@ -23,8 +23,14 @@ from specdec.engine_config import EngineSpec
 # which slowed the engine's OpenMP regions (2 threads on 2 cores stall whenever either is
 # preempted) by 15-20% (in-process engine beside an idle app: 8.1 -> 6.8 tokens/s). At 1 s
 # the upkeep is 9% and the engine kept its speed. `make serve` sets the same.
+# And Ray starts its worker processes (our target and draft shards among them) at nice 15:
+# on a machine shared with anything at the default priority (a build, a test run) the
+# shards then get about 3% of a core each, so a start-up that takes 90 s quiet had not
+# finished its calibration after 5 minutes beside two CPU-bound processes. Serving is the
+# machine's job here: its workers compete at the default priority.
 QUIET_SERVE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1",
-                   "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+                   "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+                   "RAY_worker_niceness": "0"}
 
 
 def free_port() -> int:
