@@ -271,7 +271,11 @@ class EnginePolicy:
             self._observe_finished(out)
 
     def _observe_finished(self, out) -> None:
-        self.lengths.observe(out.prompt_tokens, len(out.token_ids))
+        if out.finish_reason == "stop":
+            # Only a reply that ended by itself says how long replies run. One cut at its
+            # max_tokens says "at least this long": taken as the length, a 4-token request
+            # made every later request of its prompt length "short" (plain, 4 < 12 tokens).
+            self.lengths.observe(out.prompt_tokens, len(out.token_ids))
         if out.method != "none":
             s = out.spec
             # An empty proposal was a chance at position 1 that failed, like a rejection.

@@ -244,3 +244,20 @@ def test_on_without_any_proposer_runs_plain_and_says_why():
                      Overrides(mode="on"))
     assert d.mode == "plain" and d.why == "no_proposer"
     assert "no proposer is available" in d.reason
+
+
+def test_a_reply_cut_at_max_tokens_does_not_make_later_ones_short():
+    """A 4-token request (cut at its max_tokens) says nothing about how long replies run;
+    one that ended by itself does."""
+    from specdec.request import RequestOutput
+
+    policy = EnginePolicy(PolicySettings(explore_share=0.0))
+    light = {"running": 0, "waiting": 0, "free_slots": 8}
+
+    def finished(n: int, reason: str) -> RequestOutput:
+        return RequestOutput("x", [], "", list(range(n)), "", True, reason, 20, SpecCounters())
+
+    policy.observe_finished(finished(4, "length"))
+    assert policy.admit(light, ["draft"], 20, 96, False, Overrides()).why != "short_output"
+    policy.observe_finished(finished(5, "stop"))
+    assert policy.admit(light, ["draft"], 20, 96, False, Overrides()).why == "short_output"
