@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+# specdec.linear.FORMATS, spelled out: the CLI starts without importing torch.
+DTYPES = ["auto", "float32", "bfloat16", "float16", "int8"]
+
 
 def _models_list(args) -> int:
     from specdec import pack
@@ -174,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    g.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weight format (auto: the fastest on this machine)")
     g.add_argument("--json", action="store_true", help="print a JSON record instead of text")
     g.set_defaults(func=_generate)
@@ -214,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="bench_cmd", required=True)
     b_core = bench.add_parser("core", help="plain decoding: our core vs transformers generate")
     b_core.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-1.5b"])
-    b_core.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    b_core.add_argument("--dtype", default="auto", choices=DTYPES)
     b_core.add_argument("--max-tokens", type=int, default=64)
     b_core.add_argument("--repeats", type=int, default=3)
     b_core.add_argument("--json", metavar="PATH", default=None)
@@ -222,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     b_dec = bench.add_parser("decode", help="speculative vs plain, ours vs transformers")
     b_dec.add_argument("--target", default="qwen2.5-coder-1.5b")
     b_dec.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    b_dec.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    b_dec.add_argument("--dtype", default="auto", choices=DTYPES)
     b_dec.add_argument("--max-tokens", type=int, default=128)
     b_dec.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5, 6])
     b_dec.add_argument("--ngram-k", type=int, default=4)
@@ -289,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     b_ld.set_defaults(func=_bench_load)
     b_tp = bench.add_parser("tp", help="tensor-parallel group overhead and memory per shard")
     b_tp.add_argument("--model", default="qwen2.5-coder-1.5b")
-    b_tp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    b_tp.add_argument("--dtype", default="auto", choices=DTYPES)
     b_tp.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     b_tp.add_argument("--threads", type=int, default=2, help="CPU threads shared by the ranks")
     b_tp.add_argument("--steps", type=int, default=20)

@@ -16,9 +16,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specdec.linear import FORMATS
+from specdec.linear import BATCH_DEPENDENT, FORMATS
 
-WeightFormatName = Literal["auto", "float32", "bfloat16", "float16"]
+WeightFormatName = Literal["auto", "float32", "bfloat16", "float16", "int8"]
 assert set(WeightFormatName.__args__) == set(FORMATS)
 
 
@@ -135,6 +135,11 @@ class EngineSpec(BaseModel):
     def _check(self) -> EngineSpec:
         if self.ngram_min > self.ngram_max:
             raise ValueError("ngram_min must be <= ngram_max")
+        if self.target.dtype in BATCH_DEPENDENT:
+            raise ValueError(
+                f"target.dtype {self.target.dtype!r}: its rows' results depend on the other "
+                "rows of a batch, so greedy speculative output would not stay identical to "
+                "plain; it is for the draft only (use float16, bfloat16 or auto here)")
         for role in ("target", "draft"):
             g = getattr(self, role)
             if g is None:
