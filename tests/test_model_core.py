@@ -132,12 +132,25 @@ def test_fp16_packed_weights_compute_like_fp32_on_rounded_weights(tiny_checkpoin
 
 
 def test_auto_format_follows_the_machine():
-    from specdec.linear import cpu_has_native_bf16, fbgemm_available, resolve_format
+    from specdec.linear import (
+        choose_fastest,
+        cpu_candidates,
+        cpu_has_native_bf16,
+        fbgemm_available,
+        resolve_format,
+    )
 
     fmt = resolve_format("auto", "cpu")
-    if cpu_has_native_bf16():
-        assert fmt.name == "bfloat16"
-    else:
-        assert fmt.name == ("float16" if fbgemm_available() else "float32")
+    expected = (["bfloat16"] if cpu_has_native_bf16() else []) + (
+        ["float16"] if fbgemm_available() else [])
+    assert cpu_candidates() == (expected or ["float32"])
+    assert fmt.name in cpu_candidates()
+    # The measured faster one wins, whatever the flags say; a tie keeps the first.
+    assert choose_fastest(["bfloat16", "float16"], {"bfloat16": 0.2, "float16": 0.1}.get) \
+        == "float16"
+    assert choose_fastest(["bfloat16", "float16"], {"bfloat16": 0.1, "float16": 0.3}.get) \
+        == "bfloat16"
+    assert choose_fastest(["bfloat16", "float16"], {"bfloat16": 0.1, "float16": 0.1}.get) \
+        == "bfloat16"
     with pytest.raises(ValueError, match="dtype must be one of"):
         resolve_format("int3", "cpu")
