@@ -47,7 +47,9 @@ def calibrate(engine: Engine, policy: EnginePolicy, k_max: int) -> dict:
     sizes = sorted({1, slots})
     drafts = [m for m, p in engine.proposers.items()
               if m == "draft" and getattr(p, "available", True)]
-    grid = [("none", 0, 3)] + [(m, k, k + 2) for m in drafts
+    # Speculative runs last three full rounds after the prefill: a row's first round also
+    # prefills the draft with its prompt, which the policy does not take as a round's cost.
+    grid = [("none", 0, 3)] + [(m, k, 1 + 3 * (k + 1)) for m in drafts
                                for k in sorted({min(2, k_max), k_max})]
     runs = []
     shapes: dict[int, list[float]] = {}

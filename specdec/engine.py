@@ -63,6 +63,9 @@ class StepRecord:
     overlapped: bool = False  # the draft worked during the target's step (overlap)
     resolve_s: float = 0.0  # overlap: settling the deferred positions after both finished
     emitted: int = 0        # tokens the step's decode rows emitted
+    # Most context tokens a drafted row's draft had to catch up on before guessing (a first
+    # round prefills the prompt): the policy prices rounds from steps without a catch-up.
+    draft_catchup: int = 0
 
 
 @dataclasses.dataclass
@@ -81,6 +84,9 @@ class _Seq:
     # Overlap: guesses the draft made during the last step, valid for the current context
     # (their head was kept), to be verified in this step.
     ahead: Proposal | None = None
+    # Context length at this row's last draft call: what the draft has to catch up on
+    # before its first guess (the whole prompt on a first round, a plain stretch after it).
+    draft_seen: int = 0
 
     @property
     def generated(self) -> int:
@@ -408,6 +414,9 @@ class Engine:
         overlapped: dict[str, list[int]] = {}
         for seq in decode:
             seq.k_now = self._k_for(seq, len(seq.tokens) - seq.cached)
+            if seq.k_now and seq.req.method == "draft":
+                rec.draft_catchup = max(rec.draft_catchup, len(seq.tokens) - seq.draft_seen)
+                seq.draft_seen = len(seq.tokens)
             if rec.overlapped and seq.req.method == "draft" and seq.k_now:
                 # This step verifies the guesses drafted during the last one; the draft
                 # goes on from their end, as if they will all be kept.

@@ -257,6 +257,11 @@ class EnginePolicy:
     def _observe_step(self, rec, anchor: bool = False) -> None:
         step, draft = self.step_cost, self.draft_round_cost
         (step.calibrate if anchor else step.observe)(rec.tokens, rec.step_s - rec.draft_s)
+        if getattr(rec, "draft_catchup", 0) > self.config.k_max + 1:
+            # The draft first prefilled a row's context (its first round, or its first after
+            # a plain stretch): not what a round costs. Taken as one, the first round of
+            # every request priced the draft up to 2x and turned speculation off.
+            return
         (draft.calibrate if anchor else draft.observe)(rec.draft_k, rec.draft_rows,
                                                        rec.draft_model_s)
         if rec.draft_model_s and rec.draft_k:

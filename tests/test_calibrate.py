@@ -36,7 +36,12 @@ def test_start_up_calibrates_costs_but_learns_no_acceptance(tiny_llama, tiny_lla
             policy = built.policy
             # Every calibration step is an anchor; nothing of it is left in the engine.
             assert len(policy.step_cost.anchors) == sum(r["steps"] for r in runs)
-            assert {a[0] for a in policy.draft_round_cost.anchors} == {2.0, 6.0}
+            # Draft rounds at both k (and shorter last rounds where max_tokens cut them);
+            # a row's first round, which prefilled the draft with the prompt, is not one.
+            ks = {a[0] for a in policy.draft_round_cost.anchors}
+            assert {2.0, 6.0} <= ks <= {1.0, 2.0, 3.0, 4.0, 5.0, 6.0}
+            assert len(policy.draft_round_cost.anchors) < sum(
+                r["steps"] for r in runs if r["method"] == "draft")
             assert policy.step_cost.fit() is not None
             assert policy.draft_round_cost.fit() is not None
             assert not policy.step_cost.samples and not policy.acceptance.trials

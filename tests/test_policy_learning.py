@@ -261,3 +261,17 @@ def test_a_reply_cut_at_max_tokens_does_not_make_later_ones_short():
     assert policy.admit(light, ["draft"], 20, 96, False, Overrides()).why != "short_output"
     policy.observe_finished(finished(5, "stop"))
     assert policy.admit(light, ["draft"], 20, 96, False, Overrides()).why == "short_output"
+
+
+def test_a_round_that_first_prefilled_the_draft_is_not_priced_as_a_round():
+    """A row's first draft round also feeds the draft its whole prompt: taken as a round's
+    cost, every request's first round priced the draft far too dear."""
+    policy = EnginePolicy()
+    first = StepRecord(rows=1, tokens=3, draft_s=0.2, verify_s=0.1, draft_rows=1, draft_k=2,
+                       draft_model_s=0.2, step_s=0.3, draft_catchup=40)
+    policy.observe_step(first)
+    assert not policy.draft_round_cost.live and policy.step_cost.live
+    steady = StepRecord(rows=1, tokens=3, draft_s=0.05, verify_s=0.1, draft_rows=1,
+                        draft_k=2, draft_model_s=0.05, step_s=0.15, draft_catchup=3)
+    policy.observe_step(steady)
+    assert list(policy.draft_round_cost.live) == [(2.0, 1.0)]
