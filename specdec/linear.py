@@ -88,8 +88,11 @@ def resolve_format(name: str | torch.dtype, device: str | torch.device = "cpu") 
         name = "bfloat16" if cuda else fastest_cpu_format(torch.get_num_threads())
     if name == "int8":
         if cuda or not fbgemm_available():
-            raise ValueError("dtype 'int8' needs a CPU with FBGEMM (x86); use float16 or "
-                             "bfloat16 here")
+            # A draft's format is free (exactness never depends on it): where FBGEMM's int8
+            # does not run, the config still starts, in the fastest format here.
+            warnings.warn("dtype 'int8' needs FBGEMM on a CPU (x86); using 'auto' here",
+                          stacklevel=2)
+            return resolve_format("auto", device)
         # The embedding table is only indexed: kept in fp16, cast per lookup.
         return WeightFormat(name, torch.float16, torch.float32, packed=False, int8=True)
     if name == "float16" and not cuda and fbgemm_available():
