@@ -103,6 +103,12 @@ class EnginePolicy:
             return d
         expected = self.lengths.expected(prompt_tokens, max_tokens, has_stop)
         d = self._decide(methods, alpha, expected, lw, curves, wanted.method, wanted.k)
+        if d.why == "no_gain" and "draft" in methods and wanted.method is None:
+            # On standby for the draft, not the n-gram lookup that priced a hair better:
+            # the standby method is what the per-step decision and its probes measure, and
+            # the draft's cost is the one a busy start misprices (a lookup costs nothing).
+            # On standby for n-gram after a busy start, the draft was never probed again.
+            d.standby = "draft"
         if d.why == "no_gain" and self.config.explore_share > 0 and \
                 self._could_pay(methods, expected, lw):
             self._plain_decisions += 1

@@ -275,3 +275,15 @@ def test_a_round_that_first_prefilled_the_draft_is_not_priced_as_a_round():
                         draft_k=2, draft_model_s=0.05, step_s=0.15, draft_catchup=3)
     policy.observe_step(steady)
     assert list(policy.draft_round_cost.live) == [(2.0, 1.0)]
+
+
+def test_standby_is_the_draft_so_its_cost_gets_probed():
+    """Near break-even the lookup can price a hair better than a mispriced draft; standing
+    by for the lookup, the draft would never be probed again (a busy start for good)."""
+    machine = Machine()
+    policy = new_policy(machine)
+    calibrate(policy, lambda t: quiet_step(t) * (1.0 if t <= 1 else 3.0),
+              lambda k, r: 3 * quiet_draft(k, r))
+    light = {"running": 0, "waiting": 0, "free_slots": 8}
+    d = policy.admit(light, ["draft", "ngram"], 20, 200, False, Overrides())
+    assert d.mode == "plain" and d.standby == "draft"
