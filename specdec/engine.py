@@ -10,95 +10,27 @@ was kept. Requests join and leave between steps.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
-import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable
 
+from specdec.engine_state import (
+    EngineConfig,
+    KChooser,
+    Seq,
+    StepRecord,
+    load_report,
+    pinned_plain,
+)
 from specdec.metrics import SpecCounters
-from specdec.overlap import OverlapChooser
+from specdec.overlap import OverlapChooser, settle, use_overlap
 from specdec.proposers import Proposal, ProposeInput, Proposer
 from specdec.request import CapacityError, EngineError, Request, RequestOutput, TargetLost
 from specdec.stop import Detokenizer
-from specdec.target_runner import Head, TargetResult, TargetRow, TargetRunner
+from specdec.target_runner import TargetResult, TargetRow, TargetRunner
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    max_tokens_per_step: int = 512   # prefill chunks fill what decode rows leave of this
-    min_prefill_chunk: int = 32      # so a prefill advances even under a full decode batch
-    max_waiting: int = 256           # queued requests beyond this are refused (overload)
-
-
-@dataclasses.dataclass
-class StepRecord:
-    """One step's timeline and what it carried: the policy fits its costs on it, metrics
-    export it, and `bench served` breaks a request's time down with it."""
-    rows: int               # rows in the target forward (decode, speculative, prefill)
-    tokens: int             # tokens through the target forward
-    draft_s: float          # all proposers, wall time seen by the engine
-    verify_s: float         # the target call, wall time seen by the engine
-    max_k: int = 0          # the longest draft of the step (draft forwards run in sequence)
-    # The draft model's own share: rows it drafted for, the largest k asked of it (its
-    # forwards run in sequence, rows batched), and its time. The policy fits its cost on it.
-    draft_rows: int = 0
-    draft_k: int = 0
-    draft_model_s: float = 0.0
-    prefill_tokens: int = 0
-    plan_s: float = 0.0     # policy and batch building before the draft call
-    post_s: float = 0.0     # rejection results applied: stops, detokenizing, streaming
-    step_s: float = 0.0     # the whole step
-    # Inside the other processes (equal to the wall times when they run in this one):
-    # the difference is the call itself (serialization, scheduling, transport).
-    draft_compute_s: float = 0.0
-    target_compute_s: float = 0.0
-    draft_bytes: int = 0    # bytes crossing to and from the draft (0 in-process)
-    target_bytes: int = 0
-    end: float = 0.0        # time.perf_counter() at the step's end
-    mean_k: float = 0.0     # guesses per drafting row this step (the k the policy chose)
-    overlapped: bool = False  # the draft worked during the target's step (overlap)
-    resolve_s: float = 0.0  # overlap: settling the deferred positions after both finished
-    emitted: int = 0        # tokens the step's decode rows emitted
-    # Most context tokens a drafted row's draft had to catch up on before guessing (a first
-    # round prefills the prompt): the policy prices rounds from steps without a catch-up.
-    draft_catchup: int = 0
-
-
-@dataclasses.dataclass
-class _Seq:
-    req: Request
-    slot: int
-    tokens: list[int]
-    prompt_len: int
-    cached: int = 0                  # tokens in the target's KV cache
-    detok: Detokenizer | None = None
-    spec: SpecCounters = dataclasses.field(default_factory=SpecCounters)
-    k_now: int = 0
-    finished: bool = False
-    admitted: float = 0.0            # time.monotonic() when it got a slot
-    first_token: float | None = None
-    # Overlap: guesses the draft made during the last step, valid for the current context
-    # (their head was kept), to be verified in this step.
-    ahead: Proposal | None = None
-    # Context length at this row's last draft call: what the draft has to catch up on
-    # before its first guess (the whole prompt on a first round, a plain stretch after it).
-    draft_seen: int = 0
-
-    @property
-    def generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
-
-
-KChooser = Callable[["Engine", Request, SpecCounters, int], int]
-
-
-def _pinned_plain(req: Request) -> bool:
-    """Plain for good: no method, or plain pinned by the caller (k fixed at 0)."""
-    return req.method == "none" or (req.fixed_k and req.k == 0)
 
 
 class Engine:
@@ -118,7 +50,7 @@ class Engine:
         self._lock = threading.Lock()
         self._waiting: collections.deque[Request] = collections.deque()
         self._aborts: set[str] = set()
-        self._running: dict[str, _Seq] = {}
+        self._running: dict[str, Seq] = {}
         self._free_slots = list(range(target.max_slots - 1, -1, -1))
         self.totals: dict[str, SpecCounters] = collections.defaultdict(SpecCounters)
         self.history: collections.deque[StepRecord] = collections.deque(maxlen=256)
@@ -166,31 +98,9 @@ class Engine:
     def load(self) -> dict:
         with self._lock:
             waiting = len(self._waiting)
-            pinned_waiting = sum(map(_pinned_plain, self._waiting))
-        running = list(self._running.values())
-        recent = list(self.history)[-16:]
-        n = max(len(recent), 1)
-        return {
-            "running": len(running), "waiting": waiting,
-            # Rows that decode plainly whatever the policy decides (the policy prices a
-            # speculative batch with them: they wait for every verify, draft nothing).
-            "pinned_running": sum(_pinned_plain(s.req) for s in running),
-            "pinned_waiting": pinned_waiting,
-            # Rows that follow the policy's per-step decision, by method (the policy probes
-            # a step shape for them), and rows that asked for speculation whatever it costs.
-            "following": dict(collections.Counter(
-                s.req.method for s in running if not _pinned_plain(s.req)
-                and not s.req.fixed_k)),
-            "speculating_on_request": sum(s.req.speculate for s in running),
-            "free_slots": len(self._free_slots),
-            "tokens_per_step": sum(r.tokens for r in recent) / n,
-            # The typical step's prefill (median over the last 16 steps, idle ones as 0;
-            # usually 0): one long prompt must not make every decode step look like a
-            # prefill step to the policy.
-            "prefill_tokens_per_step": statistics.median(
-                [r.prefill_tokens for r in recent] + [0] * (16 - len(recent))),
-            "step_s": sum(r.step_s for r in recent) / n,
-        }
+            pinned_waiting = sum(map(pinned_plain, self._waiting))
+        return load_report(waiting, pinned_waiting, list(self._running.values()),
+                           len(self._free_slots), list(self.history)[-16:])
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -243,14 +153,8 @@ class Engine:
                     self._free_slots.append(seq.slot)
 
     def _use_overlap(self) -> bool:
-        proposer = self.proposers.get("draft")
-        if self.overlap == "off" or proposer is None or \
-                not hasattr(proposer, "start_window") or not hasattr(self.target, "resolve") \
-                or not getattr(proposer, "available", True):  # a lost draft: plain rounds
-            return False
-        if self.overlap_chooser is not None:
-            return self.overlap_chooser.use_overlap()
-        return True
+        return use_overlap(self.overlap, self.overlap_chooser, self.proposers.get("draft"),
+                           self.target)
 
     def _step(self, outputs: list[RequestOutput]) -> None:
         t_start = time.perf_counter()
@@ -279,7 +183,8 @@ class Engine:
             raise
         t1 = time.perf_counter()
         rec.verify_s = t1 - t0
-        resolved, heads, window_out = self._settle(window, windows, results, rec)
+        resolved, heads, window_out = settle(self.proposers.get("draft"), self.target,
+                                              window, windows, results, rec)
         t2 = time.perf_counter()
         call = getattr(self.target, "last_call", None)
         rec.target_compute_s = call.compute_s if call else rec.verify_s
@@ -320,45 +225,6 @@ class Engine:
         if self.overlap_chooser is not None and (windows or rec.draft_rows):
             self.overlap_chooser.observe(rec.overlapped, rec.step_s, rec.emitted)
 
-    def _settle(self, window, windows: list[ProposeInput], results: list[TargetResult],
-                rec: StepRecord):
-        """Overlap: stop the draft, take its guesses, settle each deferred position against
-        its row's head guess. Returns (resolved, heads, window proposals by row)."""
-        if not windows:
-            return {}, {}, {}
-        t0 = time.perf_counter()
-        proposals: dict[str, Proposal] = {}
-        if window is not None:
-            window.stop()
-            try:
-                got = window.result()
-                proposals = {i.seq_id: p for i, p in zip(windows, got, strict=False)}
-            except Exception as exc:  # noqa: BLE001 - a lost draft: plain draws this step
-                log.warning("draft window failed (%s); settling plainly", exc)
-            call = getattr(self.proposers["draft"], "last_call", None)
-            if call is not None:
-                rec.draft_compute_s += call.compute_s
-                rec.draft_bytes += call.bytes
-        rec.draft_s += time.perf_counter() - t0  # the draft's time not hidden by the target
-        guessed = [len(p.token_ids) for p in proposals.values() if p.token_ids]
-        rec.mean_k = sum(guessed) / len(guessed) if guessed else 0.0
-        rec.max_k = max(guessed, default=0)
-        heads: dict[str, Head | None] = {}
-        for res in results:
-            if not res.deferred:
-                continue
-            prop = proposals.get(res.seq_id)
-            if prop is None or not prop.token_ids:
-                heads[res.seq_id] = None
-            else:
-                heads[res.seq_id] = Head(prop.token_ids[0],
-                                         None if prop.q_ids is None else prop.q_ids[0],
-                                         None if prop.q_probs is None else prop.q_probs[0])
-        t1 = time.perf_counter()
-        resolved = self.target.resolve(heads) if heads else {}
-        rec.resolve_s = time.perf_counter() - t1
-        return resolved, {k: v for k, v in heads.items() if v is not None}, proposals
-
     def _apply_aborts(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
             aborts, self._aborts = self._aborts, set()
@@ -376,14 +242,14 @@ class Engine:
                 if not self._waiting:
                     return
                 req = self._waiting.popleft()
-            seq = _Seq(req, self._free_slots.pop(), list(req.prompt_ids), len(req.prompt_ids),
+            seq = Seq(req, self._free_slots.pop(), list(req.prompt_ids), len(req.prompt_ids),
                        admitted=time.monotonic())
             if self.tokenizer is not None:
                 seq.detok = Detokenizer(self.tokenizer, req.params.stop)
             self.target.start_sequence(req.request_id, req.params)
             self._running[req.request_id] = seq
 
-    def _k_for(self, seq: _Seq, pending: int) -> int:
+    def _k_for(self, seq: Seq, pending: int) -> int:
         req = seq.req
         if req.method == "none" or req.method not in self.proposers:
             return 0
@@ -500,7 +366,7 @@ class Engine:
                 seq.k_now = 0
         return rows, num_draft, windows
 
-    def _advance(self, seq: _Seq, row: TargetRow, res: TargetResult,
+    def _advance(self, seq: Seq, row: TargetRow, res: TargetResult,
                  settled: tuple[int, bool, bool] | None = None) -> RequestOutput:
         """Apply one row's result. settled (overlap): the deferred token, whether the draft
         offered a head guess for it, and whether that guess was kept; the head counts as
@@ -542,7 +408,7 @@ class Engine:
             return self._finish(seq, reason, new)
         return self._output(seq, new, finished=False, reason=None)
 
-    def _output(self, seq: _Seq, new: list[int], finished: bool, reason, error=None,
+    def _output(self, seq: Seq, new: list[int], finished: bool, reason, error=None,
                 kind: str | None = None):
         text = seq.detok.text if seq.detok else ""
         delta = seq.detok.delta(final=finished) if seq.detok else ""
@@ -558,7 +424,7 @@ class Engine:
             seq.req.on_output(out)
         return out
 
-    def _finish(self, seq: _Seq, reason, new: list[int] | None = None,
+    def _finish(self, seq: Seq, reason, new: list[int] | None = None,
                 error: str | None = None, kind: str | None = None) -> RequestOutput:
         rid = seq.req.request_id
         if self._running.pop(rid, None) is not None:

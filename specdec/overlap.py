@@ -35,10 +35,15 @@ max(k*c, v) instead of k*c + v; where they share cores, overlapping them only mo
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
+import time
 from collections.abc import Callable
 
 from specdec.proposers import Proposal, ProposeInput
+from specdec.target_runner import Head
+
+log = logging.getLogger(__name__)
 
 
 class ThreadWindow:
@@ -123,3 +128,51 @@ class OverlapChooser:
         if min(self.steps.values()) >= self.sample_steps:
             seq, ovl = (self.stats[m].seconds_per_row_token for m in (False, True))
             self.choice = ovl < seq
+
+
+def settle(draft, target, window, windows: list[ProposeInput], results: list, rec):
+    """Overlap: stop the draft, take its guesses, settle each deferred position against
+    its row's head guess. Returns (resolved, heads, window proposals by row)."""
+    if not windows:
+        return {}, {}, {}
+    t0 = time.perf_counter()
+    proposals: dict[str, Proposal] = {}
+    if window is not None:
+        window.stop()
+        try:
+            got = window.result()
+            proposals = {i.seq_id: p for i, p in zip(windows, got, strict=False)}
+        except Exception as exc:  # noqa: BLE001 - a lost draft: plain draws this step
+            log.warning("draft window failed (%s); settling plainly", exc)
+        call = getattr(draft, "last_call", None)
+        if call is not None:
+            rec.draft_compute_s += call.compute_s
+            rec.draft_bytes += call.bytes
+    rec.draft_s += time.perf_counter() - t0  # the draft's time not hidden by the target
+    guessed = [len(p.token_ids) for p in proposals.values() if p.token_ids]
+    rec.mean_k = sum(guessed) / len(guessed) if guessed else 0.0
+    rec.max_k = max(guessed, default=0)
+    heads: dict[str, Head | None] = {}
+    for res in results:
+        if not res.deferred:
+            continue
+        prop = proposals.get(res.seq_id)
+        if prop is None or not prop.token_ids:
+            heads[res.seq_id] = None
+        else:
+            heads[res.seq_id] = Head(prop.token_ids[0],
+                                     None if prop.q_ids is None else prop.q_ids[0],
+                                     None if prop.q_probs is None else prop.q_probs[0])
+    t1 = time.perf_counter()
+    resolved = target.resolve(heads) if heads else {}
+    rec.resolve_s = time.perf_counter() - t1
+    return resolved, {k: v for k, v in heads.items() if v is not None}, proposals
+
+
+def use_overlap(mode: str, chooser: OverlapChooser | None, draft, target) -> bool:
+    """Whether this step drafts during the target's: asked for (on, or auto's choice), and
+    a draft that can (a lost draft: plain rounds) beside a target that defers."""
+    if mode == "off" or draft is None or not hasattr(draft, "start_window") or \
+            not hasattr(target, "resolve") or not getattr(draft, "available", True):
+        return False
+    return chooser.use_overlap() if chooser is not None else True

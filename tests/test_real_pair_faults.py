@@ -30,18 +30,18 @@ def default_args() -> dict:
     return {**args, "warmup": False}
 
 
-def target_actor() -> tuple[str, str]:
+def newest_actor(role: str) -> tuple[str, str]:
+    """Name and namespace of the newest generation of a role's rank-0 shard."""
     named = [a for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].startswith("specdec-target-")]
+             if a["name"].startswith(f"specdec-{role}-")]
     latest = max(named, key=lambda a: int(a["name"].split("-g")[1].split("-")[0]))
     return latest["name"], latest["namespace"]
 
 
-def draft_actor() -> tuple[str, str]:
-    named = [a for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].startswith("specdec-draft-")]
-    latest = max(named, key=lambda a: int(a["name"].split("-g")[1].split("-")[0]))
-    return latest["name"], latest["namespace"]
+def kill_process(role: str) -> None:
+    """A lost worker as it happens (OOM killer, a crash): SIGKILL of its process."""
+    name, ns = newest_actor(role)
+    os.kill(ray.get(ray.get_actor(name, namespace=ns).pid.remote()), signal.SIGKILL)
 
 
 def test_a_lost_target_fails_its_request_in_seconds_and_service_resumes(qwen_target_path,
@@ -68,10 +68,7 @@ def test_a_lost_target_fails_its_request_in_seconds_and_service_resumes(qwen_tar
                     assert time.monotonic() < deadline
                     time.sleep(0.2)
                 time.sleep(2.0)  # well inside its decode
-                # A lost worker as it happens (OOM killer, a crash): SIGKILL of its process.
-                name, ns = target_actor()
-                pid = ray.get(ray.get_actor(name, namespace=ns).pid.remote())
-                os.kill(pid, signal.SIGKILL)
+                kill_process("target")
                 killed = time.monotonic()
                 t.join(timeout=120)
                 failed_s = time.monotonic() - killed
@@ -94,9 +91,7 @@ def test_a_lost_target_fails_its_request_in_seconds_and_service_resumes(qwen_tar
                 load = client.get("/health").json()["engine"]
                 # The draft killed between requests: they run on (n-gram or plain) and
                 # draft again once it is rebuilt.
-                name, ns = draft_actor()
-                pid = ray.get(ray.get_actor(name, namespace=ns).pid.remote())
-                os.kill(pid, signal.SIGKILL)
+                kill_process("draft")
                 draft_killed, served, drafting_s = time.monotonic(), 0, None
                 while drafting_s is None:
                     got = client.post("/v1/completions", json={
