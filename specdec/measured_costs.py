@@ -41,6 +41,7 @@ class _ShapeCosts:
         self._fixed: tuple[float, ...] | None = None
         self._solved: tuple | None = None
         self._ratios: dict[tuple, float] = {}
+        self._error: tuple[int, float | None] | None = None
         self.version = 0  # bumps on every sample: callers cache per version
         # Where this model has no live shape yet, how far another model's calibration (the
         # same machine at the same time) was off: the draft borrows the target's.
@@ -98,9 +99,13 @@ class _ShapeCosts:
         return out
 
     def calibration_error(self) -> float | None:
-        """Live cost / calibrated cost, median over the live shapes (None: nothing live)."""
-        self.effective()
-        return statistics.median(self._ratios.values()) if self._ratios else None
+        """Live cost / calibrated cost, median over the live shapes (None: nothing live).
+        Asked by the draft's fit for every k the policy prices: solved once per sample."""
+        if self._error is None or self._error[0] != self.version:
+            self.effective()
+            self._error = (self.version, statistics.median(self._ratios.values())
+                           if self._ratios else None)
+        return self._error[1]
 
     def _prior_predictor(self, prior: dict[tuple, float]):
         """What the calibration alone says a shape costs (None: it says nothing)."""
