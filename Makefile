@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
 STAMP := $(VENV)/.installed
 
-.PHONY: install models serve test test-fast lint bench clean prometheus
+.PHONY: install models serve test test-fast lint bench clean prometheus peer
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,23 @@ test-fast: install
 
 bench: models
 	$(BIN)/specdec bench core
+
+# The CPU peer, llama.cpp's llama-server and llama-bench, built from the source vendored in
+# the llama-cpp-python sdist (no binary wheels exist); about 15 minutes on 2 cores. Not part
+# of `make test`; `specdec bench served --peer` adds its rows from peers/llama/build/bin.
+LLAMA_CPP_VERSION ?= 0.3.36
+PEER_DIR := peers/llama
+peer: $(PEER_DIR)/build/bin/llama-server
+
+$(PEER_DIR)/build/bin/llama-server:
+	mkdir -p $(PEER_DIR)
+	$(PYTHON) -m pip download --disable-pip-version-check --quiet --no-deps --no-binary :all: \
+		-d $(PEER_DIR) llama-cpp-python==$(LLAMA_CPP_VERSION)
+	tar xzf $(PEER_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(PEER_DIR)
+	cmake -S $(PEER_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp \
+		-B $(PEER_DIR)/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+		-DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_OPENSSL=OFF
+	cmake --build $(PEER_DIR)/build -j$$(nproc) --target llama-server llama-bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

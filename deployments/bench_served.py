@@ -1,8 +1,10 @@
 """`specdec bench served`: one client, the same greedy prompts, every system in one run.
 
-In this order: transformers' plain `generate` and assisted generation (the draft as
-assistant_model, at k = 4 fixed and at its default schedule; in each dtype asked for, so
-the peer is shown at its defaults and at its best); our engine in this process (plain, each
+In this order: llama.cpp's llama-server on the very GGUF files of the config's models
+(plain, its draft-model speculation at its defaults and tuned, its n-gram modes; when
+`make peer` has built it), transformers' plain `generate` and assisted generation (the
+draft as assistant_model, at k = 4 fixed and at its default schedule; in each dtype asked
+for, so the peer is shown at its defaults and at its best); our engine in this process (plain, each
 static k, the policy's auto), assembled from the application config; then the application
 itself served over HTTP from the same config (speculation off, on at each k, auto).
 
@@ -65,13 +67,12 @@ def _row(system: str, config: str, rates: list[float], **extra) -> dict:
 # ---- transformers ------------------------------------------------------------------------
 
 def _hf_rows(args, spec, prompts, progress) -> list[dict]:
-    from transformers import AutoModelForCausalLM
 
     rows = []
     for dtype_name in args.hf_dtypes:
         dtype = getattr(torch, dtype_name)
-        target = AutoModelForCausalLM.from_pretrained(hub.resolve(spec.target.model), dtype=dtype)
-        draft = AutoModelForCausalLM.from_pretrained(hub.resolve(spec.draft.model), dtype=dtype)
+        target = hub.transformers_model(hub.resolve(spec.target.model), dtype)
+        draft = hub.transformers_model(hub.resolve(spec.draft.model), dtype)
         tok = load_tokenizer(hub.resolve(spec.target.model))
         defaults = {k: getattr(draft.generation_config, k) for k in (
             "num_assistant_tokens", "num_assistant_tokens_schedule",
@@ -104,6 +105,23 @@ def _hf_rows(args, spec, prompts, progress) -> list[dict]:
         del target, draft
         gc.collect()
     return rows
+
+
+def _peer_rows(args, spec, prompts, progress) -> list[dict]:
+    from specdec.bench.llama_peer import llama_bin, peer_rows
+    from specdec.gguf_file import gguf_in
+
+    target = gguf_in(hub.resolve(spec.target.model))
+    draft = gguf_in(hub.resolve(spec.draft.model)) if spec.draft else None
+    if args.no_peer or llama_bin() is None or target is None:
+        why = "--no-peer" if args.no_peer else "not built (make peer)" if target else \
+            "the target is not a GGUF"
+        print(f"llama.cpp rows skipped: {why}", flush=True)
+        return []
+    tok = load_tokenizer(hub.resolve(spec.target.model))
+    ids = [_ids(tok, text, chat) for text, chat in prompts]
+    return peer_rows(target, draft, ids, args.max_tokens, args.repeats,
+                     spec.target.threads or os.cpu_count() or 2, progress)
 
 
 # ---- our engine, in this process ---------------------------------------------------------
@@ -348,6 +366,13 @@ def _ratios(rows: list[dict]) -> list[dict]:
               by.get(("ours, in process", k)), ">= 1.0")
     auto = by.get(("ours, served", "auto (policy)"))
     ratio("served auto / served plain", auto, served_plain, ">= 2.0")
+    peer = {c: v for (s, c), v in by.items() if s == "llama.cpp"}
+    if peer:
+        best = max(peer, key=peer.get)
+        ratio(f"served auto / llama.cpp best ({best})", auto, peer[best], ">= 1.3")
+        ratio("served plain / llama.cpp plain", served_plain, peer.get("plain"), ">= 1.0")
+        ratio("in process auto / llama.cpp best", by.get(("ours, in process", "auto (policy)")),
+              peer[best])
     ratio("served auto / best transformers assisted", auto, best_hf, ">= 1.3")
     for c, v in hf_assisted.items():
         ratio(f"served auto / transformers {c}", auto, v)
@@ -364,9 +389,10 @@ def main(args) -> int:
     variants = _split_variants(args, app_args)
     n_modes = len(args.k) + 2 + sum(len(m) for _, _, m in variants)
     total = len(prompts) * args.repeats * ((0 if args.no_hf else 3 * len(args.hf_dtypes))
-                                           + 2 * n_modes)
+                                           + 2 * n_modes + 5)
     progress = Progress("bench served", total=total, unit=" requests")
-    rows = [] if args.no_hf else _hf_rows(args, spec, prompts, progress)
+    rows = _peer_rows(args, spec, prompts, progress)
+    rows += [] if args.no_hf else _hf_rows(args, spec, prompts, progress)
     paired_overhead: dict = {}
     if args.paired:
         paired, paired_overhead = _paired_rows(args, spec, app_args, prompts, progress)
@@ -384,7 +410,8 @@ def main(args) -> int:
     overhead = paired_overhead or overhead
     progress.close()
     print_table(rows, ["system", "config", "dtype", "runs", "tokens_per_s", "q1", "q3",
-                       "mean_acceptance_length", "ttft_p50_s", "overhead_p50_ms"],
+                       "mean_acceptance_length", "acceptance", "decode_only_tokens_per_s",
+                       "rss_GB", "ttft_p50_s", "overhead_p50_ms"],
                 title=f"{args.config}: one client, {args.max_tokens} new tokens, greedy, "
                       f"{len(prompts)} prompts x {args.repeats} repeats (median, quartiles)")
     lines = [dict(system=r["system"], config=r["config"], **r["timeline"])

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 # specdec.linear.FORMATS, spelled out: the CLI starts without importing torch.
-DTYPES = ["auto", "float32", "bfloat16", "float16", "int8"]
+DTYPES = ["auto", "float32", "bfloat16", "float16", "int8", "w8a8", "int8-dynamic"]
 
 
 def _models_list(args) -> int:
@@ -61,6 +61,12 @@ def _bench_served(args) -> int:
     from deployments.bench_served import main as bench_served  # needs Ray
 
     return bench_served(args)
+
+
+def _bench_formats(args) -> int:
+    from specdec.bench.formats import main as bench_formats
+
+    return bench_formats(args)
 
 
 def _bench_load(args) -> int:
@@ -272,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     b_sd.add_argument("--hf-dtypes", nargs="+", default=["bfloat16", "float32"],
                       help="dtypes to run transformers in (its defaults and its best)")
     b_sd.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    b_sd.add_argument("--no-peer", action="store_true",
+                      help="skip the llama.cpp rows (they run when `make peer` has built it)")
     b_sd.add_argument("--paired", action="store_true",
                       help="measure in process and served alternately, request by request "
                            "(both engines loaded), so drift of the machine cancels in "
@@ -290,6 +298,20 @@ def build_parser() -> argparse.ArgumentParser:
     b_ld.add_argument("--api-key", default=None)
     b_ld.add_argument("--json", metavar="PATH", default=None)
     b_ld.set_defaults(func=_bench_load)
+    b_fm = bench.add_parser("formats", help="weight formats against an fp32 reference of "
+                            "the same GGUF weights, beside llama.cpp's computation")
+    b_fm.add_argument("--model", default="qwen2.5-coder-1.5b")
+    b_fm.add_argument("--formats", nargs="+",
+                      default=["float16", "int8", "w8a8", "int8-dynamic"])
+    b_fm.add_argument("--prompts", type=int, default=8)
+    b_fm.add_argument("--prompt-tokens", type=int, default=96)
+    b_fm.add_argument("--tokens", type=int, default=64)
+    b_fm.add_argument("--threads", type=int, default=2)
+    b_fm.add_argument("--no-peer", dest="peer", action="store_false",
+                      help="skip llama.cpp (built by `make peer`)")
+    b_fm.add_argument("--json", help="also write the rows here")
+    b_fm.set_defaults(func=_bench_formats)
+
     b_tp = bench.add_parser("tp", help="tensor-parallel group overhead and memory per shard")
     b_tp.add_argument("--model", default="qwen2.5-coder-1.5b")
     b_tp.add_argument("--dtype", default="auto", choices=DTYPES)

@@ -78,4 +78,13 @@ class DecoderConfig:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> DecoderConfig:
-        return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+        """From a checkpoint directory's config.json, else from a GGUF file's metadata."""
+        path = Path(path)
+        if (path / "config.json").exists():
+            return cls.from_dict(json.loads((path / "config.json").read_text()))
+        from specdec.gguf_file import config_dict, gguf_in
+
+        gguf = gguf_in(path)
+        if gguf is None:
+            raise UnsupportedModel(f"{path} holds neither a config.json nor a GGUF file")
+        return cls.from_dict(config_dict(gguf))

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specdec.linear import BATCH_DEPENDENT, FORMATS
 
-WeightFormatName = Literal["auto", "float32", "bfloat16", "float16", "int8"]
+WeightFormatName = Literal["auto", "float32", "bfloat16", "float16", "int8", "w8a8",
+                           "int8-dynamic"]
 assert set(WeightFormatName.__args__) == set(FORMATS)
 
 
@@ -139,7 +140,7 @@ class EngineSpec(BaseModel):
             raise ValueError(
                 f"target.dtype {self.target.dtype!r}: its rows' results depend on the other "
                 "rows of a batch, so greedy speculative output would not stay identical to "
-                "plain; it is for the draft only (use float16, bfloat16 or auto here)")
+                "plain; it is for the draft only (use int8, float16, bfloat16 or auto here)")
         for role in ("target", "draft"):
             g = getattr(self, role)
             if g is None:

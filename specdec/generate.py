@@ -4,8 +4,10 @@ path must match token for token under greedy decoding, and the baseline for benc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -61,9 +63,24 @@ def plain_generate(model: Decoder, prompts: Sequence[Sequence[int]],
 
 
 def load_tokenizer(path):
+    """The tokenizer of a checkpoint directory, or of a GGUF file (built from its metadata
+    by transformers, once per process: that takes seconds for a 150k vocabulary)."""
+    return _tokenizer(str(path))
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    from specdec.gguf_file import is_gguf
+
+    p = Path(path)
+    if is_gguf(p) or not (p / "tokenizer_config.json").exists() and list(p.glob("*.gguf")):
+        from specdec.hub import transformers_args
+
+        where, kw = transformers_args(p)
+        return AutoTokenizer.from_pretrained(where, **kw)
+    return AutoTokenizer.from_pretrained(path)
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -1,6 +1,7 @@
 """Resolve a model reference to a local checkpoint directory.
 
-A reference is a pack name (see specdec.pack), a local checkpoint directory, or a hub id.
+A reference is a pack name (see specdec.pack), a local checkpoint directory, a GGUF file
+(as llama.cpp users have them; see specdec.gguf_file), or a hub id.
 Hub ids are handed to transformers' own download machinery and only work where a hub is
 reachable; nothing in tests or the default configuration uses one.
 """
@@ -26,9 +27,14 @@ def resolve(ref: str, fetch_missing: bool = False) -> Path:
             f"pack model {ref!r} is not fetched yet; run `specdec models fetch {ref}`"
         )
     path = Path(ref).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelNotFound(f"GGUF file {ref!r} does not exist")
+        return path
     if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ModelNotFound(f"{path} is a directory but holds no config.json checkpoint")
+        if not (path / "config.json").exists() and not list(path.glob("*.gguf")):
+            raise ModelNotFound(f"{path} is a directory but holds no config.json checkpoint "
+                                "and no GGUF file")
         return path
     if path.exists() or ref.startswith((".", "/", "~")):
         raise ModelNotFound(f"{ref!r} is not a checkpoint directory")
@@ -43,3 +49,24 @@ def resolve(ref: str, fetch_missing: bool = False) -> Path:
     raise ModelNotFound(
         f"unknown model {ref!r}: give a pack name ({known}), a checkpoint directory or a hub id"
     )
+
+
+def transformers_args(path: str | Path) -> tuple[str, dict]:
+    """(directory, keyword arguments) for transformers' from_pretrained on a resolved
+    reference: a GGUF is named by `gguf_file` (transformers dequantizes it itself, which
+    makes it an independent reference for our loader)."""
+    from specdec.gguf_file import gguf_in
+
+    path = Path(path)
+    gguf = gguf_in(path)
+    if gguf is None:
+        return str(path), {}
+    return str(gguf.parent), {"gguf_file": gguf.name}
+
+
+def transformers_model(path: str | Path, dtype):
+    """transformers' own model for a resolved reference (the reference implementation)."""
+    from transformers import AutoModelForCausalLM
+
+    where, kw = transformers_args(path)
+    return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw)

@@ -15,11 +15,19 @@ how fast a small-M matmul reads the weights. Measured on x86 CPUs (2 threads, on
   (FBGEMM's dynamic int8, `torch.ops.quantized.linear_dynamic`) read a quarter of fp32's
   bytes and compute in 8-bit integers: one 8960 x 1536 projection took 0.40 / 0.71 ms for
   1 / 5 rows against 0.82 / 1.35 for fp16 packed. A row's output then depends on the other
-  rows of its batch (the activation scale is the batch's), so it is for the draft only:
-  exactness never depends on the draft's numbers, only acceptance does (the q the rejection
-  rule uses is what the draft really sampled from, whatever produced it).
+  rows of its batch (the activation scale is the batch's), so "int8-dynamic" is for the
+  draft only: exactness never depends on the draft's numbers, only acceptance does (the q
+  the rejection rule uses is what the draft really sampled from, whatever produced it).
+- "w8a8" gives every row its own activation scale and accumulates in integers (FBGEMM's
+  static u8 x s8 -> s32 kernel on rows pre-divided by their scale): a row's logits are then
+  bit-identical alone and inside any batch, so the target may use it and greedy speculative
+  output stays token-identical to plain. The 8960 x 1536 projection: 0.23 / 0.33 ms for
+  1 / 5 rows against fp16 packed's 0.52 / 1.05 (same run, a busy machine). "int8" adds a
+  second int8 level per row for its rounding error, to stay as close to the checkpoint as
+  llama.cpp's own arithmetic is (specdec/int8_linear.py).
 
-Formats: "float32", "bfloat16", "float16", "int8" (draft only) and "auto". On a CPU
+Formats: "float32", "bfloat16", "float16", "int8", "w8a8", "int8-dynamic" (draft only) and
+"auto". On a CPU
 "float16" means fp16 weights with fp32 activations through FBGEMM; on CUDA it is plain fp16.
 "auto" picks bf16 on CUDA; on a CPU it measures the candidates it has (bf16 where the CPU
 has native bf16, fp16 packed where FBGEMM runs) on a projection of the real size and keeps
@@ -38,9 +46,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-FORMATS = ("auto", "float32", "bfloat16", "float16", "int8")
+FORMATS = ("auto", "float32", "bfloat16", "float16", "int8", "w8a8", "int8-dynamic")
 # Formats whose row results depend on the other rows of a batch: never for a target.
-BATCH_DEPENDENT = frozenset({"int8"})
+BATCH_DEPENDENT = frozenset({"int8-dynamic"})
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,11 +59,16 @@ class WeightFormat:
     weight_dtype: torch.dtype  # how weights are stored
     act_dtype: torch.dtype     # activations, KV cache
     packed: bool               # fp16 weights packed for FBGEMM (CPU)
-    int8: bool = False         # int8 weights, dynamic int8 activations (FBGEMM, CPU)
+    int8: bool = False         # int8 weights and activations (FBGEMM, CPU)
+    per_row: bool = False      # int8 activations scaled per row (batch-independent)
+    levels: int = 2            # per-row int8 levels: 2 (int8) or 1 (w8a8)
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         if self.int8:
-            return DynamicInt8Linear(weight, bias)
+            from specdec.int8_linear import RowInt8Linear
+
+            return RowInt8Linear(weight, bias, self.levels) if self.per_row else \
+                DynamicInt8Linear(weight, bias)
         if self.packed:
             return PackedFp16Linear(weight, bias)
         w = weight.to(self.weight_dtype)
@@ -86,15 +99,16 @@ def resolve_format(name: str | torch.dtype, device: str | torch.device = "cpu") 
     cuda = torch.device(device).type == "cuda"
     if name == "auto":
         name = "bfloat16" if cuda else fastest_cpu_format(torch.get_num_threads())
-    if name == "int8":
+    if name in ("int8", "w8a8", "int8-dynamic"):
         if cuda or not fbgemm_available():
-            # A draft's format is free (exactness never depends on it): where FBGEMM's int8
-            # does not run, the config still starts, in the fastest format here.
-            warnings.warn("dtype 'int8' needs FBGEMM on a CPU (x86); using 'auto' here",
+            # Where FBGEMM's int8 does not run, the config still starts, in the fastest
+            # format here (a batch-independent one: the target may be asking).
+            warnings.warn(f"dtype {name!r} needs FBGEMM on a CPU (x86); using 'auto' here",
                           stacklevel=2)
             return resolve_format("auto", device)
         # The embedding table is only indexed: kept in fp16, cast per lookup.
-        return WeightFormat(name, torch.float16, torch.float32, packed=False, int8=True)
+        return WeightFormat(name, torch.float16, torch.float32, packed=False, int8=True,
+                            per_row=name != "int8-dynamic", levels=2 if name == "int8" else 1)
     if name == "float16" and not cuda and fbgemm_available():
         return WeightFormat(name, torch.float16, torch.float32, packed=True)
     return WeightFormat(name, _TORCH[name], _TORCH[name], packed=False)
@@ -219,20 +233,25 @@ class PackedFp16Linear(Linear):
                                 None if self.bias is None else self.bias[:n])
 
 
+def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """FBGEMM's packed int8 weights, one symmetric scale per output channel."""
+    w = weight.float().contiguous()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
+    with warnings.catch_warnings():  # quantized tensors are deprecated in torch 2.13;
+        warnings.simplefilter("ignore", UserWarning)  # FBGEMM's packing still takes them
+        q = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long),
+                                       0, torch.qint8)
+    return torch.ops.quantized.linear_prepack(q, bias)
+
+
 class DynamicInt8Linear(Linear):
     """int8 weights per output channel (symmetric), activations quantized per call; fp32
     in and out (FBGEMM). Batch-dependent: see the module docstring."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
-        w = weight.float().contiguous()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
-        with warnings.catch_warnings():  # quantized tensors are deprecated in torch 2.13;
-            warnings.simplefilter("ignore", UserWarning)  # FBGEMM's packing still takes them
-            q = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long),
-                                           0, torch.qint8)
         self.bias = None if bias is None else bias.float()
-        self._packed = torch.ops.quantized.linear_prepack(q, self.bias)
+        self._packed = pack_int8(weight, self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:

@@ -23,7 +23,7 @@ from specdec.config import DecoderConfig
 from specdec.kv_cache import KVCache
 from specdec.linear import Linear, WeightFormat, resolve_format
 from specdec.sharding import ShardSpec
-from specdec.weights import CheckpointReader
+from specdec.weights import open_checkpoint
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -111,7 +111,7 @@ class Decoder:
         shard.check(cfg)
         device = torch.device(device)
         fmt = resolve_format(dtype, device)
-        ck = CheckpointReader(path)
+        ck = open_checkpoint(path)
         D = cfg.head_dim
         qh, kvh, inter = shard.q_heads(cfg), shard.kv_heads(cfg), shard.intermediate(cfg)
         q_rows = range(qh.start * D, qh.stop * D)
@@ -237,6 +237,14 @@ class Decoder:
         rotary = self._rotary_for(cache.max_len)
         x = self.embed[batch.token_ids].to(self.dtype)
         attn = _AttentionPlan(batch)
+        if self.format.per_row:
+            # A batch-invariant format: every token attends alone (one query, no mask, its
+            # own keys), so its arithmetic is the same whether it is decoded by itself,
+            # verified among k others or prefilled in a batch. A padded batch's longer key
+            # axis or a verify's several queries change the kernel's blocking by ~1e-7,
+            # and an int8 rounding boundary turns that into a different token.
+            attn.per_token = list(zip(batch.slot_of_token.tolist(),
+                                      (batch.positions + 1).tolist(), strict=True))
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.w["in_norm"], layer.eps)
             x = x + self._attention(i, layer, h, batch, attn, cache, rotary)
@@ -264,6 +272,17 @@ class Decoder:
         q = rotary.apply(q, batch.positions)
         k = rotary.apply(k, batch.positions)
         cache.write(i, batch.slot_of_token, batch.positions, k, v)
+        if plan.per_token is None:
+            out = self._sdpa(i, layer, q, batch, plan, cache)
+        else:
+            out = torch.cat([self._attend_one(i, layer, q[t], slot, n, cache)
+                             for t, (slot, n) in enumerate(plan.per_token)])
+        out = self.all_reduce(layer.w["o"](out))
+        return out if layer.w["o_b"] is None else out + layer.w["o_b"]
+
+    def _sdpa(self, i: int, layer: Layer, q: torch.Tensor, batch: BatchInput,
+              plan: _AttentionPlan, cache: KVCache) -> torch.Tensor:
+        D, nq, nkv = layer.head_dim, layer.n_q, layer.n_kv
         keys, values = cache.read(i, batch.slots, batch.kv_len, plan.single_slot)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, K, D]
         if layer.kv_gather is not None:
@@ -272,9 +291,20 @@ class Decoder:
             plan.pad(q), keys, values, attn_mask=plan.mask,
             enable_gqa=layer.kv_gather is None and nq != nkv,
         )  # [B, Hq, Qmax, D]
-        out = plan.unpad(out).reshape(-1, nq * D)
-        out = self.all_reduce(layer.w["o"](out))
-        return out if layer.w["o_b"] is None else out + layer.w["o_b"]
+        return plan.unpad(out).reshape(-1, nq * D)
+
+    def _attend_one(self, i: int, layer: Layer, q: torch.Tensor, slot: int, n_keys: int,
+                    cache: KVCache) -> torch.Tensor:
+        """One token's attention over the first n_keys of its slot: [1, heads * dim]."""
+        D, nq, nkv = layer.head_dim, layer.n_q, layer.n_kv
+        keys, values = cache.read(i, None, n_keys, slot)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [1, Hkv, K, D]
+        if layer.kv_gather is not None:
+            keys, values = keys[:, layer.kv_gather], values[:, layer.kv_gather]
+        out = F.scaled_dot_product_attention(
+            q.view(1, nq, 1, D), keys, values,
+            enable_gqa=layer.kv_gather is None and nq != nkv)
+        return out.reshape(1, nq * D)
 
     def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         gate, up = layer.w["gate_up"](h).chunk(2, dim=-1)
@@ -298,6 +328,8 @@ class _AttentionPlan:
         # Padding queries see key 0 only, so softmax stays finite; their output is dropped.
         mask[..., 0] |= qpos < 0
         self.mask = mask.unsqueeze(1)  # [B, 1, Q, K]
+        # Batch-invariant formats: (slot, keys it sees) per token, each attending alone.
+        self.per_token: list[tuple[int, int]] | None = None
 
     def pad(self, q: torch.Tensor) -> torch.Tensor:
         b = self.batch

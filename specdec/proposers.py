@@ -297,10 +297,9 @@ class IncompatibleDraft(ValueError):
 def check_same_tokenizer(target_path: str | Path, draft_path: str | Path) -> None:
     """Refuse a draft whose tokenizer differs from the target's: its token ids would mean
     other strings, and every guess would be verified against the wrong token."""
-    from transformers import AutoTokenizer
+    from specdec.generate import load_tokenizer
 
-    t = AutoTokenizer.from_pretrained(str(target_path))
-    d = AutoTokenizer.from_pretrained(str(draft_path))
+    t, d = load_tokenizer(target_path), load_tokenizer(draft_path)
     tv, dv = t.get_vocab(), d.get_vocab()
     if tv != dv:
         only_t = len(set(tv.items()) - set(dv.items()))

@@ -1,4 +1,5 @@
-"""Read a checkpoint's tensors, or only one rank's slice of them, from safetensors files.
+"""Read a checkpoint's tensors, or only one rank's slice of them, from safetensors files
+(GGUF files: specdec.gguf_file).
 
 Slices are read through safetensors' lazy `get_slice`, so a tensor-parallel shard never
 materializes the whole model: it reads the rows or columns it owns and nothing else.
@@ -11,6 +12,15 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+
+def open_checkpoint(path: str | Path):
+    """A reader for a safetensors checkpoint directory or a GGUF (a file, or a directory
+    holding one and no safetensors, as the offline pack does)."""
+    from specdec.gguf_file import GGUFCheckpoint, gguf_in
+
+    gguf = gguf_in(path)
+    return GGUFCheckpoint(gguf) if gguf is not None else CheckpointReader(path)
 
 
 class CheckpointReader:

@@ -24,7 +24,9 @@ def test_cpu_default_fits_two_cores_without_hidden_oversubscription():
     # The draft computes with the target's cores only while the target waits: it reserves
     # nothing and sits in target rank 0's bundle, on the same node.
     assert cfg.draft.resources.reserves_nothing and d_idx == [t_idx[0]]
-    assert cfg.draft.vocab_limit and cfg.draft.q_top_m <= 256 and cfg.target.dtype == "auto"
+    assert cfg.draft.vocab_limit and cfg.draft.q_top_m <= 256
+    # The target in a batch-independent format (greedy speculative == plain in it).
+    assert cfg.target.dtype == "int8" and cfg.draft.dtype == "int8-dynamic"
 
 
 def test_gpu_variant_puts_every_shard_and_the_draft_on_its_own_gpu():

@@ -1,4 +1,4 @@
-"""The draft's cheap weight format: int8 weights with dynamic int8 activations (FBGEMM).
+"""The draft's cheapest weight format: int8 weights with dynamic int8 activations (FBGEMM).
 Close to fp32 on the same weights, refused for the target (its rows depend on the batch),
 and greedy speculative output with an int8 draft stays token-identical to plain."""
 
@@ -33,7 +33,7 @@ def test_int8_linear_tracks_fp32_on_the_same_weights():
 
 
 def test_int8_model_logits_track_fp32(tiny_checkpoint):
-    m8 = Decoder.from_checkpoint(tiny_checkpoint, "int8")
+    m8 = Decoder.from_checkpoint(tiny_checkpoint, "int8-dynamic")
     assert isinstance(m8.layers[0].w["gate_up"], DynamicInt8Linear)
     ref = Decoder.from_checkpoint(tiny_checkpoint, torch.float32)
     ids = list(range(3, 30))
@@ -48,12 +48,13 @@ def test_int8_model_logits_track_fp32(tiny_checkpoint):
     assert m8.weight_bytes() < 0.45 * ref.weight_bytes()
 
 
-def test_int8_is_refused_for_the_target_naming_the_field(tiny_llama):
-    with pytest.raises(ValueError, match="target.dtype 'int8'"):
-        EngineSpec.model_validate({"target": {"model": str(tiny_llama), "dtype": "int8"}})
+def test_dynamic_int8_is_refused_for_the_target_naming_the_field(tiny_llama):
+    with pytest.raises(ValueError, match="target.dtype 'int8-dynamic'"):
+        EngineSpec.model_validate({"target": {"model": str(tiny_llama),
+                                              "dtype": "int8-dynamic"}})
     EngineSpec.model_validate({"target": {"model": str(tiny_llama)},
-                               "draft": {"model": str(tiny_llama), "dtype": "int8"}})
-    assert resolve_format("int8").int8
+                               "draft": {"model": str(tiny_llama), "dtype": "int8-dynamic"}})
+    assert resolve_format("int8-dynamic").int8 and not resolve_format("int8-dynamic").per_row
 
 
 def test_greedy_speculation_with_an_int8_draft_equals_plain(tiny_llama, tiny_llama_far_draft):
@@ -61,7 +62,7 @@ def test_greedy_speculation_with_an_int8_draft_equals_plain(tiny_llama, tiny_lla
 
     engine = make_engine(tiny_llama, tiny_llama_far_draft)
     engine.proposers["draft"] = DraftModelProposer(
-        Decoder.from_checkpoint(tiny_llama_far_draft, "int8"), 8, 192, "probabilistic")
+        Decoder.from_checkpoint(tiny_llama_far_draft, "int8-dynamic"), 8, 192, "probabilistic")
     prompts = random_prompts((5, 9, 13), seed=8)
     out = engine.run([Request(f"r{i}", p, greedy(24), "draft", 4)
                       for i, p in enumerate(prompts)])

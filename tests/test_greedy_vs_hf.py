@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from specdec.generate import plain_generate
+from specdec.hub import transformers_model
 from specdec.model import Decoder
 from specdec.sampling import SamplingParams
 
@@ -19,7 +20,7 @@ PROMPTS = [
 
 
 def hf_greedy(path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref = transformers_model(path, torch.float32)
     outs = []
     for ids in prompts:
         g = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from specdec.batch import BatchInput
 from specdec.config import DecoderConfig, UnsupportedModel
+from specdec.hub import transformers_model
 from specdec.model import Decoder
 
 
 def reference_logits(path, ids: list[int]) -> torch.Tensor:
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref = transformers_model(path, torch.float32)
     with torch.no_grad():
         return ref(torch.tensor([ids])).logits[0].float()
 

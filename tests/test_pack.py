@@ -108,7 +108,8 @@ def test_a_converted_checkpoint_changed_on_disk_is_refused(tmp_path, cache, tiny
     dest = pack.checkpoint_dir("fake")
     shutil.copytree(tiny_llama, dest)
     (dest / pack._DONE_MARKER).write_text(
-        __import__("json").dumps({"gguf_sha256": "0" * 64, "files": pack._file_hashes(dest)}))
+        __import__("json").dumps({"layout": pack.LAYOUT, "gguf_sha256": "0" * 64,
+                                  "files": pack._file_hashes(dest)}))
     pack.PACK["fake"] = pack.PackModel("fake", "test", (), sha256="0" * 64)
     try:
         assert hub.resolve("fake") == dest            # intact: loads
@@ -120,6 +121,11 @@ def test_a_converted_checkpoint_changed_on_disk_is_refused(tmp_path, cache, tiny
         with pytest.raises(pack.PackError, match=r"model\.safetensors .* refusing to load"):
             hub.resolve("fake")
         (dest / pack._DONE_MARKER).write_text("cc324af0\n")  # an old marker: not fetched
+        assert not pack.is_fetched("fake")
+        # A complete directory of the earlier layout (dequantized safetensors) is fetched
+        # again, into the GGUF-native one.
+        (dest / pack._DONE_MARKER).write_text(__import__("json").dumps(
+            {"gguf_sha256": "0" * 64, "files": pack._file_hashes(dest)}))
         assert not pack.is_fetched("fake")
     finally:
         del pack.PACK["fake"]

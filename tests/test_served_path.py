@@ -148,3 +148,30 @@ def test_an_error_raised_in_a_shard_fails_its_step_not_the_group(ray_local, tiny
         assert built.target.group.generation == 1 and built.target.failures == 0
         good = built.engine.run([Request("good", [5, 6], SamplingParams(max_tokens=4))])
         assert good["good"].finish_reason == "length"
+
+
+@pytest.mark.real_model
+def test_gguf_files_as_target_and_draft_over_http(ray_local, smollm2_path):
+    """A user's .gguf paths as target.model and draft.model, in the served formats: the
+    tokenizer, config and weights all come from the files."""
+    gguf = str(smollm2_path / "model.gguf")
+    args = tiny_spec(gguf, gguf, target={"dtype": "int8"},
+                     draft={"dtype": "int8-dynamic"}).model_dump()
+    args.update({"model_name": "smol", "replica_cpus": 0.1, "router_cpus": 0.1})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app(args), name="smol", route_prefix="/")
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as c:
+            body = {"model": "smol", "max_tokens": 24, "temperature": 0,
+                    "messages": [{"role": "user", "content": "Write a haiku about rivers."}]}
+            off = c.post("/v1/chat/completions", json={**body, "speculative": {"mode": "off"}})
+            on = c.post("/v1/chat/completions", json={
+                **body, "speculative": {"mode": "on", "method": "draft", "k": 3}})
+            assert off.status_code == 200 and on.status_code == 200, (off.text, on.text)
+            off, on = off.json(), on.json()
+            text = on["choices"][0]["message"]["content"]
+            assert text == off["choices"][0]["message"]["content"] and len(text) > 10
+            assert on["spec_decode"]["drafted"] > 0
+    finally:
+        serve.delete("smol")

@@ -22,9 +22,9 @@ PROMPT = "Write a Python function that checks whether a string is a palindrome.\
 
 
 def _hf_tokens_per_s(path, ids, dtype, n, repeats, progress) -> list[float]:
-    from transformers import AutoModelForCausalLM
+    from specdec.hub import transformers_model
 
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    ref = transformers_model(path, dtype)
     x = torch.tensor([ids])
     kw = dict(attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
               min_new_tokens=n)

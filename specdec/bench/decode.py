@@ -43,13 +43,9 @@ def hf_dtype_name(args) -> str:
 
 
 def _hf_rows(args, sets, progress) -> list[dict]:
-    from transformers import AutoModelForCausalLM
-
     dtype = dtype_from_name(hf_dtype_name(args))
-    target = AutoModelForCausalLM.from_pretrained(hub.resolve(args.target), dtype=dtype
-                                                  ).to(args.device)
-    draft = AutoModelForCausalLM.from_pretrained(hub.resolve(args.draft), dtype=dtype
-                                                 ).to(args.device)
+    target = hub.transformers_model(hub.resolve(args.target), dtype).to(args.device)
+    draft = hub.transformers_model(hub.resolve(args.draft), dtype).to(args.device)
     draft.generation_config.num_assistant_tokens = 4
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     draft.generation_config.assistant_confidence_threshold = 0.0
