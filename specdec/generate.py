@@ -79,7 +79,14 @@ def _tokenizer(path: str):
         from specdec.hub import transformers_args
 
         where, kw = transformers_args(p)
-        return AutoTokenizer.from_pretrained(where, **kw)
+        tok = AutoTokenizer.from_pretrained(where, **kw)
+        if not tok.chat_template:
+            # transformers' GGUF reader skips the file's template beside tokenizer files.
+            from specdec.gguf_file import metadata
+
+            tok.chat_template = metadata(Path(where) / kw["gguf_file"],
+                                         "tokenizer.chat_template")
+        return tok
     return AutoTokenizer.from_pretrained(path)
 
 

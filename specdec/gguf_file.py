@@ -76,6 +76,11 @@ def _field(reader, key: str, default=None):
     return f.contents()
 
 
+def metadata(path: str | Path, key: str, default=None):
+    """One metadata value of a GGUF file (e.g. "tokenizer.chat_template")."""
+    return _field(_reader(str(path)), key, default)
+
+
 def config_dict(path: str | Path) -> dict:
     """The metadata as a Hugging Face config.json dict (what DecoderConfig reads)."""
     r = _reader(str(path))
@@ -158,7 +163,7 @@ class GGUFCheckpoint:
         shape = tuple(int(x) for x in reversed(t.shape))
         raw = np.asarray(t.data).view(np.uint8).reshape(shape[0] if len(shape) > 1 else 1, -1)
         heads = self._permute.get(key.split(".")[-2])
-        if rows is not None and heads is None:
+        if rows is not None and heads is None and len(shape) > 1:
             # Blocks run along a row, so a row slice only dequantizes the rows it keeps.
             raw, shape = raw[rows.start:rows.stop], (len(rows), *shape[1:])
             rows = None

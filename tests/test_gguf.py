@@ -168,3 +168,19 @@ def test_the_pack_target_loads_from_its_gguf_without_a_full_precision_copy(qwen_
     assert ck.quant_type("model.layers.0.mlp.gate_proj.weight") == "Q4_K"
     assert ck.quant_type("lm_head.weight") == "Q6_K"
     assert not list(qwen_target_path.glob("*.safetensors"))
+
+
+def test_tensor_parallel_slices_of_a_gguf_are_slices_of_the_whole(tiny_gguf):
+    """Row slices (q/k/v, gate/up, biases) and column slices (o, down) as shards read them."""
+    from specdec.gguf_file import GGUFCheckpoint
+
+    ck = GGUFCheckpoint(tiny_gguf)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight",
+                 "model.layers.0.self_attn.k_proj.weight"):
+        whole = ck.get(name)
+        assert torch.equal(ck.get(name, rows=range(8, 24)), whole[8:24])
+        assert torch.equal(ck.get(name, cols=range(32, 64)), whole[:, 32:64])
+    if ck.has("model.layers.0.self_attn.q_proj.bias"):
+        bias = ck.get("model.layers.0.self_attn.q_proj.bias")
+        assert torch.equal(ck.get("model.layers.0.self_attn.q_proj.bias", rows=range(4, 12)),
+                           bias[4:12])

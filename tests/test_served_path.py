@@ -159,6 +159,7 @@ def test_gguf_files_as_target_and_draft_over_http(ray_local, smollm2_path):
                      draft={"dtype": "int8-dynamic"}).model_dump()
     args.update({"model_name": "smol", "replica_cpus": 0.1, "router_cpus": 0.1})
     port = free_port()
+    serve.shutdown()  # an earlier test's Serve would keep its own port
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         serve.run(build_app(args), name="smol", route_prefix="/")
