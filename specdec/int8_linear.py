@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from specdec.linear import Linear, pack_int8
+from specdec.linear import PackedInt8Linear, pack_int8
 
 
 @functools.cache
@@ -45,15 +45,14 @@ def activation_levels() -> tuple[float, int]:
 _GEMM = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
 
 
-class RowInt8Linear(Linear):
+class RowInt8Linear(PackedInt8Linear):
     """int8 weights per output channel; activations per row, in `levels` int8 levels (2:
     the row, then its rounding error)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  levels: int = 2) -> None:
-        self.out_features, self.in_features = weight.shape
-        # The bias is added after the row's scale comes back, in fp32.
-        self.bias = None if bias is None else bias.float()
+        super().__init__(weight, bias)
+        # Packed without the bias: it is added after the row's scale comes back, in fp32.
         self._packed = pack_int8(weight)
         self._max, self._zero = activation_levels()
         self.levels = levels
@@ -77,14 +76,6 @@ class RowInt8Linear(Linear):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
-
-    @property
-    def nbytes(self) -> int:
-        b = 0 if self.bias is None else 4 * self.bias.numel()
-        return self.out_features * self.in_features + 8 * self.out_features + b
-
-    def weight(self) -> torch.Tensor:
-        return torch.ops.quantized.linear_unpack(self._packed)[0].dequantize()
 
     def first_rows(self, n: int) -> RowInt8Linear:
         return RowInt8Linear(self.weight()[:n], None if self.bias is None else self.bias[:n],

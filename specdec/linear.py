@@ -244,21 +244,13 @@ def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None = None):
     return torch.ops.quantized.linear_prepack(q, bias)
 
 
-class DynamicInt8Linear(Linear):
-    """int8 weights per output channel (symmetric), activations quantized per call; fp32
-    in and out (FBGEMM). Batch-dependent: see the module docstring."""
+class PackedInt8Linear(Linear):
+    """FBGEMM-packed int8 weights (one scale per output channel) and an fp32 bias; the
+    subclasses differ only in how they quantize activations."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.float()
-        self._packed = pack_int8(weight, self.bias)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
-            x = x.float()
-        # reduce_range: 7-bit activations, which FBGEMM's AVX2 kernels need to avoid
-        # overflowing their 16-bit intermediate sums.
-        return torch.ops.quantized.linear_dynamic(x, self._packed, True)
 
     @property
     def nbytes(self) -> int:
@@ -267,6 +259,22 @@ class DynamicInt8Linear(Linear):
 
     def weight(self) -> torch.Tensor:
         return torch.ops.quantized.linear_unpack(self._packed)[0].dequantize()
+
+
+class DynamicInt8Linear(PackedInt8Linear):
+    """int8 weights per output channel (symmetric), activations quantized per call; fp32
+    in and out (FBGEMM). Batch-dependent: see the module docstring."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight, bias)
+        self._packed = pack_int8(weight, self.bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            x = x.float()
+        # reduce_range: 7-bit activations, which FBGEMM's AVX2 kernels need to avoid
+        # overflowing their 16-bit intermediate sums.
+        return torch.ops.quantized.linear_dynamic(x, self._packed, True)
 
     def first_rows(self, n: int) -> DynamicInt8Linear:
         # Per-row scales: the kept rows requantize to the same integers.

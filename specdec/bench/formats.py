@@ -92,7 +92,7 @@ def step_costs(model: Decoder, reps: int = 9) -> tuple[float, float]:
     return median(times[1]), median(times[5])
 
 
-def _ours(path, fmt: str, prompts, tokens: int, ref_model: Decoder, ref_lp) -> dict:
+def _ours(path, fmt: str, prompts, tokens: int, ref_model: Decoder) -> dict:
     t = time.perf_counter()
     model = ref_model if fmt == "float32" else Decoder.from_checkpoint(path, fmt)
     load_s = time.perf_counter() - t
@@ -173,7 +173,7 @@ def main(args) -> int:
     rows = []
     for fmt in args.formats:
         print(f"  ours {fmt} ...", flush=True)
-        rows.append(_ours(path, fmt, prompts, args.tokens, ref, None))
+        rows.append(_ours(path, fmt, prompts, args.tokens, ref))
     if args.peer:
         if gguf is None:
             print("  llama.cpp: skipped (the model is not a GGUF)")
