@@ -236,15 +236,12 @@ class Decoder:
             raise ValueError(f"sequence length {batch.kv_len} exceeds the cache ({cache.max_len})")
         rotary = self._rotary_for(cache.max_len)
         x = self.embed[batch.token_ids].to(self.dtype)
-        attn = _AttentionPlan(batch)
-        if self.format.per_row:
-            # A batch-invariant format: every token attends alone (one query, no mask, its
-            # own keys), so its arithmetic is the same whether it is decoded by itself,
-            # verified among k others or prefilled in a batch. A padded batch's longer key
-            # axis or a verify's several queries change the kernel's blocking by ~1e-7,
-            # and an int8 rounding boundary turns that into a different token.
-            attn.per_token = list(zip(batch.slot_of_token.tolist(),
-                                      (batch.positions + 1).tolist(), strict=True))
+        # A batch-invariant format: every token attends alone (one query, no mask, its own
+        # keys), so its arithmetic is the same whether it is decoded by itself, verified
+        # among k others or prefilled in a batch. A padded batch's longer key axis or a
+        # verify's several queries change the kernel's blocking by ~1e-7, and an int8
+        # rounding boundary turns that into a different token.
+        attn = _PerTokenPlan(batch) if self.format.per_row else _AttentionPlan(batch)
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.w["in_norm"], layer.eps)
             x = x + self._attention(i, layer, h, batch, attn, cache, rotary)
@@ -263,7 +260,7 @@ class Decoder:
     __call__ = forward
 
     def _attention(self, i: int, layer: Layer, h: torch.Tensor, batch: BatchInput,
-                   plan: _AttentionPlan, cache: KVCache, rotary: Rotary) -> torch.Tensor:
+                   plan: _AttentionPlan | _PerTokenPlan, cache: KVCache, rotary: Rotary) -> torch.Tensor:
         D, nq, nkv = layer.head_dim, layer.n_q, layer.n_kv
         qkv = layer.w["qkv"](h)
         q = qkv[:, : nq * D].view(-1, nq, D)
@@ -282,34 +279,48 @@ class Decoder:
 
     def _sdpa(self, i: int, layer: Layer, q: torch.Tensor, batch: BatchInput,
               plan: _AttentionPlan, cache: KVCache) -> torch.Tensor:
-        D, nq, nkv = layer.head_dim, layer.n_q, layer.n_kv
-        keys, values = cache.read(i, batch.slots, batch.kv_len, plan.single_slot)
-        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, K, D]
-        if layer.kv_gather is not None:
-            keys, values = keys[:, layer.kv_gather], values[:, layer.kv_gather]
+        nq, nkv = layer.n_q, layer.n_kv
+        keys, values = self._keys_values(i, layer, cache, batch.slots, batch.kv_len,
+                                         plan.single_slot)
         out = F.scaled_dot_product_attention(
             plan.pad(q), keys, values, attn_mask=plan.mask,
             enable_gqa=layer.kv_gather is None and nq != nkv,
         )  # [B, Hq, Qmax, D]
-        return plan.unpad(out).reshape(-1, nq * D)
+        return plan.unpad(out).reshape(-1, nq * layer.head_dim)
 
     def _attend_one(self, i: int, layer: Layer, q: torch.Tensor, slot: int, n_keys: int,
                     cache: KVCache) -> torch.Tensor:
         """One token's attention over the first n_keys of its slot: [1, heads * dim]."""
         D, nq, nkv = layer.head_dim, layer.n_q, layer.n_kv
-        keys, values = cache.read(i, None, n_keys, slot)
-        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [1, Hkv, K, D]
-        if layer.kv_gather is not None:
-            keys, values = keys[:, layer.kv_gather], values[:, layer.kv_gather]
+        keys, values = self._keys_values(i, layer, cache, None, n_keys, slot)
         out = F.scaled_dot_product_attention(
             q.view(1, nq, 1, D), keys, values,
             enable_gqa=layer.kv_gather is None and nq != nkv)
         return out.reshape(1, nq * D)
 
+    @staticmethod
+    def _keys_values(i: int, layer: Layer, cache: KVCache, slots, n_keys: int,
+                     single_slot: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's keys and values for attention: [B, heads, n_keys, dim]."""
+        keys, values = cache.read(i, slots, n_keys, single_slot)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        if layer.kv_gather is not None:
+            keys, values = keys[:, layer.kv_gather], values[:, layer.kv_gather]
+        return keys, values
+
     def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         gate, up = layer.w["gate_up"](h).chunk(2, dim=-1)
         out = self.all_reduce(layer.w["down"](F.silu(gate) * up))
         return out if layer.w["down_b"] is None else out + layer.w["down_b"]
+
+
+class _PerTokenPlan:
+    """Batch-invariant formats: (slot, keys it sees) for each token, attending alone (no
+    padded grid or mask to build)."""
+
+    def __init__(self, batch: BatchInput) -> None:
+        self.per_token = list(zip(batch.slot_of_token.tolist(),
+                                  (batch.positions + 1).tolist(), strict=True))
 
 
 class _AttentionPlan:
@@ -328,8 +339,7 @@ class _AttentionPlan:
         # Padding queries see key 0 only, so softmax stays finite; their output is dropped.
         mask[..., 0] |= qpos < 0
         self.mask = mask.unsqueeze(1)  # [B, 1, Q, K]
-        # Batch-invariant formats: (slot, keys it sees) per token, each attending alone.
-        self.per_token: list[tuple[int, int]] | None = None
+        self.per_token = None
 
     def pad(self, q: torch.Tensor) -> torch.Tensor:
         b = self.batch
