@@ -12,11 +12,15 @@ from specdec.engine_config import EngineSpec
 
 class Autoscaling(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(1, ge=1)
-    target_ongoing_requests: float = Field(4.0, gt=0)
-    upscale_delay_s: float = Field(5.0, ge=0)
-    downscale_delay_s: float = Field(60.0, ge=0)
+    min_replicas: int = Field(1, ge=0, description="Fewest engine replicas.")
+    max_replicas: int = Field(1, ge=1, description="Most engine replicas (each one target "
+                              "group and one draft).")
+    target_ongoing_requests: float = Field(4.0, gt=0, description="Requests in flight per "
+                                           "replica that Serve's autoscaler aims for.")
+    upscale_delay_s: float = Field(5.0, ge=0, description="Load must stay high this long "
+                                   "before a replica is added.")
+    downscale_delay_s: float = Field(60.0, ge=0, description="Load must stay low this long "
+                                     "before a replica is removed.")
 
     @model_validator(mode="after")
     def _check(self) -> Autoscaling:
@@ -28,20 +32,27 @@ class Autoscaling(BaseModel):
 class AppArgs(EngineSpec):
     """serve_config.yaml `args` of the application."""
 
-    model_name: str | None = None        # the id served by /v1/models (default: target)
-    default_max_tokens: int = Field(256, ge=1)
-    engine_autoscaling: Autoscaling = Field(default_factory=Autoscaling)
-    replica_cpus: float = Field(0.0, ge=0)   # the engine replica's own bundle
-    router_cpus: float = Field(0.0, ge=0)
-    router_replicas: int = Field(1, ge=1)
-    # Requests in flight per engine replica before Serve queues them. It must exceed the
-    # engine's own capacity (slots + waiting) so an overloaded engine answers 503 itself
-    # instead of requests piling up unseen; None = 2 x capacity.
-    max_ongoing_requests: int | None = Field(None, ge=1)
-    router_max_ongoing_requests: int = Field(1024, ge=1)
-    # Required as `Authorization: Bearer` on every /v1 route when set. The SPECDEC_API_KEY
-    # environment variable of the router's process takes precedence (keep keys out of files).
-    api_key: str | None = Field(None, min_length=8, repr=False)
+    model_name: str | None = Field(None, description="The model id /v1/models lists and "
+                                   "requests name; default: target.model.")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that "
+                                    "sets none.")
+    engine_autoscaling: Autoscaling = Field(default_factory=Autoscaling,
+                                            description="Serve autoscaling of the engine.")
+    replica_cpus: float = Field(0.0, ge=0, description="CPUs the engine replica itself "
+                                "reserves (its loop; the models are in their own actors).")
+    router_cpus: float = Field(0.0, ge=0, description="CPUs each HTTP router replica "
+                               "reserves.")
+    router_replicas: int = Field(1, ge=1, description="HTTP router replicas.")
+    # It must exceed the engine's own capacity (slots + waiting) so an overloaded engine
+    # answers 503 itself instead of requests piling up unseen in Serve's queue.
+    max_ongoing_requests: int | None = Field(None, ge=1, description=(
+        "Requests in flight per engine replica before Serve queues them; default: "
+        "2 x (runtime.max_slots + max_waiting)."))
+    router_max_ongoing_requests: int = Field(1024, ge=1, description="Requests in flight "
+                                             "per router replica.")
+    api_key: str | None = Field(None, min_length=8, repr=False, description=(
+        "Required as `Authorization: Bearer KEY` on every route but a minimal /health. The "
+        "SPECDEC_API_KEY environment variable takes precedence (keep keys out of files)."))
 
     def engine_max_ongoing(self) -> int:
         return self.max_ongoing_requests or 2 * (self.runtime.max_slots + self.max_waiting)
@@ -50,4 +61,4 @@ class AppArgs(EngineSpec):
         return self.model_name or self.target.model
 
     def engine_spec(self) -> EngineSpec:
-        return EngineSpec.model_validate(self.model_dump(include=set(EngineSpec.model_fields)))
+        return EngineSpec.from_app_args(self.model_dump())

@@ -36,8 +36,8 @@ from specdec import hub
 from specdec.assemble import LocalBackend, assemble
 from specdec.bench.prompts import PROMPT_SETS
 from specdec.bench.serve import http_overhead
+from specdec.bench.served_report import cost_shape, memory_rows, ratios
 from specdec.bench.table import median, percentile, print_table, write_json
-from specdec.cli_generate import spec_from_config
 from specdec.engine_config import EngineSpec
 from specdec.engine_policy import Overrides
 from specdec.generate import load_tokenizer
@@ -287,11 +287,13 @@ def _served_row(c, model, args, prompts, progress, wanted, config, app_args) -> 
             if r["mal"]:
                 mal.append(r["mal"])
             progress.advance()
-    timeline = c.get("/health").json()["engine"].get("timeline", {})
+    engine = c.get("/health").json()["engine"]
+    memory = engine.get("memory_mb") or {}
     return _row("ours, served", config, rates, dtype=app_args["target"].get("dtype", "auto"),
                 mean_acceptance_length=median(mal) if mal else None,
                 ttft_p50_s=median(ttft), overhead_p50_ms=1000 * median(over),
-                timeline=timeline)
+                timeline=engine.get("timeline", {}), memory_mb=memory,
+                rss_GB=sum(m["rss_mb"] for m in memory.values()) / 1e3 if memory else None)
 
 
 def _split(app_args: dict, overlap: str) -> dict:
@@ -341,50 +343,12 @@ def _one_http(c: httpx.Client, model: str, text: str, chat: bool, max_tokens: in
 
 # ---- the run ------------------------------------------------------------------------------
 
-def _ratios(rows: list[dict]) -> list[dict]:
-    by = {(r["system"], r["config"]): r["tokens_per_s"] for r in rows}
-    hf_assisted = {c: v for (s, c), v in by.items() if s == "transformers" and "assisted" in c}
-    best_hf = max(hf_assisted.values(), default=None)
-    out = []
-
-    def ratio(name, a, b, goal=None):
-        if a is not None and b:
-            out.append({"ratio": name, "value": a / b, "goal": goal})
-
-    served_plain = by.get(("ours, served", "plain"))
-    for (s, c), v in by.items():
-        if s == "ours, served":
-            ratio(f"served {c} / in process {c}", v, by.get(("ours, in process", c)),
-                  ">= 0.9" if c in ("plain", "auto (policy)") or c.startswith("spec") else None)
-    for k in sorted({c.split(",")[0] for (s, c) in by if c.endswith("overlapped")}):
-        for system in ("ours, in process", "ours, served"):
-            ratio(f"{system}: {k} overlapped / sequential (1+1 cores)",
-                  by.get((system, f"{k}, 1+1 cores, overlapped")),
-                  by.get((system, f"{k}, 1+1 cores, sequential")), ">= 1.3 (own compute)")
-        ratio(f"served {k} overlapped (1+1) / in process {k} (config)",
-              by.get(("ours, served", f"{k}, 1+1 cores, overlapped")),
-              by.get(("ours, in process", k)), ">= 1.0")
-    auto = by.get(("ours, served", "auto (policy)"))
-    ratio("served auto / served plain", auto, served_plain, ">= 2.0")
-    peer = {c: v for (s, c), v in by.items() if s == "llama.cpp"}
-    if peer:
-        best = max(peer, key=peer.get)
-        ratio(f"served auto / llama.cpp best ({best})", auto, peer[best], ">= 1.3")
-        ratio("served plain / llama.cpp plain", served_plain, peer.get("plain"), ">= 1.0")
-        ratio("in process auto / llama.cpp best", by.get(("ours, in process", "auto (policy)")),
-              peer[best])
-    ratio("served auto / best transformers assisted", auto, best_hf, ">= 1.3")
-    for c, v in hf_assisted.items():
-        ratio(f"served auto / transformers {c}", auto, v)
-    return out
-
-
 def main(args) -> int:
     import yaml
 
     doc = yaml.safe_load(open(args.config))
     app_args = doc["applications"][0]["args"]
-    spec = spec_from_config(args.config)
+    spec = EngineSpec.from_config_file(args.config)
     prompts = _prompts(args.sets, args.prompts_per_set)
     variants = _split_variants(args, app_args)
     n_modes = len(args.k) + 2 + sum(len(m) for _, _, m in variants)
@@ -400,8 +364,7 @@ def main(args) -> int:
     else:
         rows += _local_rows(args, spec, prompts, progress)
     for label, variant, modes in variants:
-        rows += _local_rows(args, EngineSpec.model_validate(
-            {k: v for k, v in variant.items() if k in EngineSpec.model_fields}),
+        rows += _local_rows(args, EngineSpec.from_app_args(variant),
             prompts, progress, modes, label)
     served, overhead = _served_rows(
         args, ([] if args.paired else [("", app_args, _modes(args.k))]) + variants,
@@ -423,8 +386,14 @@ def main(args) -> int:
                             "draft_bytes", "target_bytes"],
                     title="per step (medians over the last steps of each row): where the time "
                           "goes; *_call = seen by the engine, *_compute = inside the actor")
+    print_table(cost_shape(rows), ["system", "config", "target_step_ms", "v", "c",
+                                   "guesses_per_row", "tokens_per_round"],
+                title="cost shape: v = target step / plain step, c = draft forward / plain "
+                      "target step, tokens emitted per round")
+    print_table(memory_rows(rows), ["system", "process", "rss_GB", "peak_rss_GB"],
+                title="memory per process (served: every actor, from /health)")
     print_table([overhead], list(overhead), title="HTTP + Serve overhead per request")
-    ratios = _ratios(rows)
-    print_table(ratios, ["ratio", "value", "goal"], title="ratios in this run")
-    write_json(args.json, rows + [{"overhead": overhead}, {"ratios": ratios}])
+    found = ratios(rows)
+    print_table(found, ["ratio", "value", "goal"], title="ratios in this run")
+    write_json(args.json, rows + [{"overhead": overhead}, {"ratios": found}])
     return 0

@@ -30,7 +30,7 @@ from specdec.hub import resolve
 from specdec.model import Decoder
 from specdec.openmp import omp_max_threads
 from specdec.parallel import Group, LeaderDecoder, follow
-from specdec.proposers import DraftModelProposer, Proposal
+from specdec.proposers import DEFAULT_Q_TOP_M, DraftModelProposer, Proposal
 from specdec.sampling import SamplingParams
 from specdec.sharding import ShardSpec
 from specdec.target_runner import Head, LocalTargetRunner, Resolved, TargetResult, TargetRow
@@ -105,7 +105,7 @@ class ModelShard:
                                                    self.extra.get("sampling", "probabilistic"),
                                                    self.extra.get("vocab_limit"),
                                                    self.extra.get("confidence_threshold"),
-                                                   self.extra.get("q_top_m", 64))
+                                                   self.extra.get("q_top_m", DEFAULT_Q_TOP_M))
         weights = local.weight_bytes()
         return {"rank": self.rank, "backend": self.group.backend, "device": self.device,
                 "weights_mb": weights / 2**20,

@@ -18,7 +18,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deployments.bench_served import _ids, _local_engine, _one_local, _prompts  # noqa: E402
 from specdec.bench.table import median, print_table  # noqa: E402
-from specdec.cli_generate import spec_from_config  # noqa: E402
 from specdec.engine_config import EngineSpec  # noqa: E402
 from specdec.engine_policy import Overrides  # noqa: E402
 from specdec.progress import Progress  # noqa: E402
@@ -32,7 +31,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
-    base = spec_from_config(args.config)
+    base = EngineSpec.from_config_file(args.config)
     prompts = _prompts(["code", "chat_code"], 2)
     modes = [("plain", Overrides(mode="off"))] + [
         (f"k={k}", Overrides(mode="on", method="draft", k=k)) for k in args.k]

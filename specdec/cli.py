@@ -262,6 +262,15 @@ def build_parser() -> argparse.ArgumentParser:
     b_srv.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7],
                        help="sweeps to run: greedy (0) and sampled")
     b_srv.add_argument("--max-tokens", type=int, nargs="+", default=[16, 64, 128])
+    b_srv.add_argument("--peer", action="store_true",
+                       help="also send every level to llama.cpp's llama-server on the "
+                            "target's GGUF file (built by `make peer`)")
+    b_srv.add_argument("--peer-slots", type=int, default=8,
+                       help="llama-server's parallel slots (-np)")
+    b_srv.add_argument("--peer-threads", type=int, default=None,
+                       help="llama-server's threads (default: every core)")
+    b_srv.add_argument("--config", default="serve_config.yaml",
+                       help="the application config whose target GGUF the peer runs")
     b_srv.add_argument("--json", metavar="PATH", default=None)
     b_srv.add_argument("--plot", metavar="PNG", default=None)
     b_srv.set_defaults(func=_bench_serve)

@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import time
-from pathlib import Path
 
 from specdec.assemble import LocalBackend, assemble
 from specdec.engine_config import DraftGroupConfig, EngineSpec, ModelGroupConfig, RuntimeConfig
@@ -19,23 +18,9 @@ from specdec.request import Request
 from specdec.sampling import SamplingParams
 
 
-def spec_from_config(path: str | Path, app: str | None = None) -> EngineSpec:
-    """The EngineSpec of an application in a Serve config file (its `args`)."""
-    import yaml
-
-    doc = yaml.safe_load(Path(path).read_text())
-    apps = doc.get("applications") or []
-    chosen = [a for a in apps if app is None or a.get("name") == app]
-    if not chosen:
-        raise ValueError(f"{path}: no application{' named ' + repr(app) if app else ''}")
-    args = chosen[0].get("args") or {}
-    return EngineSpec.model_validate({k: v for k, v in args.items()
-                                      if k in EngineSpec.model_fields})
-
-
 def spec_from_args(args) -> EngineSpec:
     if args.config:
-        return spec_from_config(args.config, args.app)
+        return EngineSpec.from_config_file(args.config, args.app)
     if not args.target:
         raise ValueError("give --target MODEL (or --config serve_config.yaml)")
     cores = os.cpu_count() or 1

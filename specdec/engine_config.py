@@ -12,11 +12,15 @@ else that would make Ray's numbers hide oversubscription is refused here, naming
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from specdec.engine_state import MAX_TOKENS_PER_STEP, MAX_WAITING
 from specdec.linear import BATCH_DEPENDENT, FORMATS
+from specdec.policy import PolicySettings
+from specdec.proposers import DEFAULT_Q_TOP_M
 
 WeightFormatName = Literal["auto", "float32", "bfloat16", "float16", "int8", "w8a8",
                            "int8-dynamic"]
@@ -27,9 +31,13 @@ class ActorResources(BaseModel):
     """What one shard actor reserves from Ray (one per rank)."""
 
     model_config = ConfigDict(extra="forbid")
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
-    resources: dict[str, float] = Field(default_factory=dict)
+    num_cpus: float = Field(1.0, ge=0, description="CPUs each rank's actor reserves from Ray. "
+                            "A draft with 0 (and nothing else) borrows its target's cores.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs each rank's actor reserves "
+                            "(1 per rank for NCCL).")
+    resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray "
+                                        "resources each rank reserves, e.g. {target_gpu: 1} "
+                                        "to land on a node type of the cluster config.")
 
     def bundle(self) -> dict[str, float]:
         b = {"CPU": self.num_cpus, **self.resources}
@@ -46,46 +54,63 @@ class ModelGroupConfig(BaseModel):
     """One model sharded over `tp` ranks (Ray actors, or this process when tp = 1 locally)."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str
-    tp: int = Field(1, ge=1, le=64)
-    # Weight format (specdec/linear.py): "auto" = the fastest on the device it runs on.
-    dtype: WeightFormatName = "auto"
-    resources: ActorResources = Field(default_factory=ActorResources)
-    # OpenMP threads per rank for CPU matmuls; default = the rank's CPUs (at least 1).
-    threads: int | None = Field(None, ge=1, le=1024)
+    model: str = Field(description="A pack name (`specdec models list`), a .gguf file, a "
+                       "checkpoint directory or a hub id.")
+    tp: int = Field(1, ge=1, le=64, description="Tensor-parallel ranks, one Ray actor each "
+                    "(gloo on CPU, NCCL on GPU).")
+    dtype: WeightFormatName = Field("auto", description=(
+        "Weight format. int8: int8 weights, per-row two-level int8 activations "
+        "(batch-invariant; the CPU target default). w8a8: one level. int8-dynamic: one "
+        "activation scale per batch (draft only). float16: fp16 packed for FBGEMM. auto: "
+        "the fastest of bf16 / fp16 packed measured on this CPU, bf16 on a GPU."))
+    resources: ActorResources = Field(default_factory=ActorResources,
+                                      description="What each rank's actor reserves from Ray.")
+    threads: int | None = Field(None, ge=1, le=1024, description="Threads per rank for CPU "
+                                "matmuls; default: the rank's num_cpus (at least 1).")
 
     def threads_per_rank(self) -> int:
         return self.threads or max(1, math.floor(self.resources.num_cpus))
 
 
 class DraftGroupConfig(ModelGroupConfig):
-    # "greedy": propose the draft's argmax (one-hot q, only ids cross the wire);
-    # "probabilistic": sample from the draft's top-m distribution under the request's warp.
-    sampling: Literal["probabilistic", "greedy"] = "probabilistic"
-    # Guess only among the first N token ids: a smaller vocabulary projection per step.
-    vocab_limit: int | None = Field(None, ge=1)
-    # Stop drafting a row early once the draft's probability of its guess is below this.
-    confidence_threshold: float | None = Field(None, ge=0.0, lt=1.0)
-    # Sampled rows draw from the draft's m most likely tokens (renormalized) and send
-    # exactly that distribution as q: m (id, prob) pairs per guess instead of the vocabulary.
-    q_top_m: int = Field(64, ge=1, le=4096)
+    sampling: Literal["probabilistic", "greedy"] = Field("probabilistic", description=(
+        "probabilistic: sampled rows draw guesses from the draft's top-m distribution under "
+        "the request's temperature/top-p; greedy: always the draft's argmax (one-hot q). "
+        "Either way the output follows the target's distribution."))
+    vocab_limit: int | None = Field(None, ge=1, description="Guess only among the first N "
+                                    "token ids: a smaller output projection per draft step.")
+    confidence_threshold: float | None = Field(None, ge=0.0, lt=1.0, description=(
+        "End a row's proposal once the draft's probability of its latest guess is below "
+        "this (k becomes a cap). Exact: the proposal length depends on the draft only."))
+    q_top_m: int = Field(DEFAULT_Q_TOP_M, ge=1, le=4096, description=(
+        "Sampled rows draw from the draft's m most likely tokens, and exactly that "
+        "distribution is the q of the rejection rule: m (id, prob) pairs cross per guess."))
 
 
 class RuntimeConfig(BaseModel):
     """Limits and timeouts shared by the target and draft groups."""
 
     model_config = ConfigDict(extra="forbid")
-    max_slots: int = Field(8, ge=1, le=1024)
-    max_len: int = Field(2048, ge=16)
-    init_timeout_s: float = Field(300.0, gt=0)      # group start: actors, weights, NCCL/gloo
-    step_timeout_s: float = Field(120.0, gt=0)      # one engine step on the group
-    collective_timeout_s: float = Field(60.0, gt=0)  # a lost rank fails the step after this
-    draft_retry_s: float = Field(2.0, gt=0)          # how often a lost draft is rebuilt
-    # A replica whose loop makes no progress this long while it has work is unhealthy (Serve
-    # replaces it). Default: a step that times out plus a target rebuild, and a margin.
-    watchdog_s: float | None = Field(None, gt=0)
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    gloo_socket_ifname: str | None = None            # e.g. "lo" on a single machine
+    max_slots: int = Field(8, ge=1, le=1024, description="Sequences decoded at once (KV "
+                           "cache slots); more requests wait, up to max_waiting.")
+    max_len: int = Field(2048, ge=16, description="Prompt plus output tokens per sequence "
+                         "(the KV cache's length per slot).")
+    init_timeout_s: float = Field(300.0, gt=0, description="A group's start: actors, "
+                                  "weights, the gloo/NCCL group.")
+    step_timeout_s: float = Field(120.0, gt=0, description="One engine step on a group.")
+    collective_timeout_s: float = Field(60.0, gt=0, description="A lost rank fails the "
+                                        "step after this long in a collective.")
+    draft_retry_s: float = Field(2.0, gt=0, description="How often a lost draft is rebuilt "
+                                 "(rounds run plain meanwhile).")
+    watchdog_s: float | None = Field(None, gt=0, description=(
+        "A replica whose step loop makes no progress this long while it has work fails "
+        "its health check (Serve replaces it). Default: step_timeout_s + init_timeout_s "
+        "+ 60."))
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement group strategy of a replica's target and draft "
+                            "actors.")
+    gloo_socket_ifname: str | None = Field(None, description="Network interface for gloo, "
+                                           "e.g. lo on a single machine.")
 
     def watchdog_limit_s(self) -> float:
         return self.watchdog_s or self.step_timeout_s + self.init_timeout_s + 60.0
@@ -98,39 +123,48 @@ class RuntimeConfig(BaseModel):
         return self
 
 
-class PolicySettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    k_max: int = Field(6, ge=1, le=16)
-    min_expected_tokens: int = Field(12, ge=0)
-    min_speedup: float = Field(1.05, ge=1.0)
-    draft_cost_ratio: float = Field(0.35, gt=0)
-    ngram_cost_ratio: float = Field(0.02, ge=0)
-    collapse_rounds: int = Field(4, ge=1)
-    collapse_alpha: float = Field(0.25, ge=0, le=1)
-    acceptance_half_life: float = Field(2000.0, ge=0)  # in trials; 0 = never forget
-    explore_share: float = Field(0.05, ge=0, le=1)     # speculate anyway on this share
-    # Re-measure a step shape the batch does not run at most this often (0 = never).
-    probe_interval_s: float = Field(20.0, ge=0)
-
-
 class EngineSpec(BaseModel):
     """Everything one engine needs, whichever way it is assembled."""
 
     model_config = ConfigDict(extra="forbid")
-    target: ModelGroupConfig
-    draft: DraftGroupConfig | None = None
-    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
-    ngram_min: int = Field(2, ge=1)
-    ngram_max: int = Field(5, ge=1)
-    max_tokens_per_step: int = Field(512, ge=16)
-    max_waiting: int = Field(64, ge=1)
-    policy: PolicySettings = Field(default_factory=PolicySettings)
-    # Run a short request through every path (prefill, plain step, speculative round)
-    # before reporting ready, so the first user request does not pay for it.
-    warmup: bool = True
-    # Draft while the target verifies (specdec/overlap.py): off, on, or auto (the engine
-    # measures both and keeps the faster). Needs a draft with compute of its own.
-    overlap: Literal["off", "on", "auto"] = "off"
+    target: ModelGroupConfig = Field(description="The model whose distribution is served.")
+    draft: DraftGroupConfig | None = Field(None, description="The draft model; none: only "
+                                           "plain decoding and n-gram lookup.")
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig,
+                                   description="Limits and timeouts of both groups.")
+    ngram_min: int = Field(2, ge=1, description="Shortest suffix the n-gram proposer matches "
+                           "in the context.")
+    ngram_max: int = Field(5, ge=1, description="Longest suffix the n-gram proposer matches.")
+    max_tokens_per_step: int = Field(MAX_TOKENS_PER_STEP, ge=16, description=(
+        "Token budget of one target forward: decode and verify tokens first, then prefill "
+        "chunks of what remains (chunked prefill)."))
+    max_waiting: int = Field(MAX_WAITING, ge=1, description="Requests queued beyond max_slots; one "
+                             "more is refused with 503 and Retry-After.")
+    policy: PolicySettings = Field(default_factory=PolicySettings,
+                                   description="The speculation policy.")
+    warmup: bool = Field(True, description="Run every path (prefill, plain step, "
+                         "speculative round) before reporting ready.")
+    overlap: Literal["off", "on", "auto"] = Field("off", description=(
+        "Draft while the target verifies (exact): on, off, or auto (measure both, keep the "
+        "faster). Needs a draft with compute of its own."))
+
+    @classmethod
+    def from_app_args(cls, args: dict) -> EngineSpec:
+        """The engine part of an application's args (serve_config.yaml `args`, whose other
+        keys say how Serve runs it)."""
+        return cls.model_validate({k: v for k, v in args.items() if k in cls.model_fields})
+
+    @classmethod
+    def from_config_file(cls, path: str | Path, app: str | None = None) -> EngineSpec:
+        """The EngineSpec of an application in a Serve config file."""
+        import yaml
+
+        doc = yaml.safe_load(Path(path).read_text())
+        apps = doc.get("applications") or []
+        chosen = [a for a in apps if app is None or a.get("name") == app]
+        if not chosen:
+            raise ValueError(f"{path}: no application{' named ' + repr(app) if app else ''}")
+        return cls.from_app_args(chosen[0].get("args") or {})
 
     @model_validator(mode="after")
     def _check(self) -> EngineSpec:

@@ -21,14 +21,13 @@ import math
 import threading
 import time
 
-from specdec.engine_config import PolicySettings
 from specdec.measured_costs import DraftCostModel, StepCostModel
 from specdec.policy import (
     AcceptanceTracker,
     Decision,
     LengthEstimator,
     Load,
-    PolicyConfig,
+    PolicySettings,
     decide,
     revisit,
 )
@@ -48,7 +47,7 @@ class Overrides:
 
 class EnginePolicy:
     def __init__(self, settings: PolicySettings | None = None, clock=time.monotonic) -> None:
-        self.config = PolicyConfig(**(settings or PolicySettings()).model_dump())
+        self.config = settings or PolicySettings()
         self.acceptance = AcceptanceTracker(self.config)
         self.lengths = LengthEstimator(self.config)
         self.clock = clock
@@ -137,10 +136,10 @@ class EnginePolicy:
                       forced_method=method, forced_k=k, draft_cost=self.draft_round_cost,
                       curves=curves, overlapped=self._overlapped, speculate=speculate)
 
-    def _config(self) -> PolicyConfig:
+    def _config(self) -> PolicySettings:
         if self.draft_cost is None:
             return self.config
-        return dataclasses.replace(self.config, draft_cost_ratio=self.draft_cost)
+        return self.config.model_copy(update={"draft_cost_ratio": self.draft_cost})
 
     @staticmethod
     def _load(load: dict, joining: int = 0) -> Load:

@@ -18,11 +18,16 @@ if TYPE_CHECKING:
     from specdec.engine import Engine
 
 
+# Defaults of the engine's limits, shared with EngineSpec (the validated config).
+MAX_TOKENS_PER_STEP = 512
+MAX_WAITING = 64
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    max_tokens_per_step: int = 512   # prefill chunks fill what decode rows leave of this
+    max_tokens_per_step: int = MAX_TOKENS_PER_STEP  # prefill chunks fill what decode rows leave
     min_prefill_chunk: int = 32      # so a prefill advances even under a full decode batch
-    max_waiting: int = 256           # queued requests beyond this are refused (overload)
+    max_waiting: int = MAX_WAITING   # queued requests beyond this are refused (overload)
 
 
 @dataclasses.dataclass

@@ -13,42 +13,55 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from specdec.cost_model import expected_tokens_per_round
 from specdec.measured_costs import DraftCostModel, StepCostModel
 
 
-@dataclasses.dataclass(frozen=True)
-class PolicyConfig:
-    k_max: int = 6
-    min_expected_tokens: int = 12      # shorter expected outputs go plain: nothing to amortize
-    min_speedup: float = 1.05          # speculation must beat plain by this margin
-    draft_cost_ratio: float = 0.35     # c: draft step / target step (profiled at start-up)
-    ngram_cost_ratio: float = 0.02     # lookup is nearly free
-    # Until measured: a same-family draft agrees often; prompt lookup rarely finds a match
-    # outside editing/quoting workloads (empty proposals count as failures).
-    acceptance_prior: tuple[tuple[str, float], ...] = (("draft", 0.75), ("ngram", 0.15))
-    prior_weight: float = 20.0         # pseudo-trials behind the prior
-    collapse_rounds: int = 4           # a request's own rounds before its alpha is trusted
-    collapse_alpha: float = 0.25       # below this a request drops to plain
-    length_buckets: tuple[int, ...] = (64, 256, 1024, 4096)
-    # Acceptance is a recent estimate: evidence halves in weight every this many trials,
-    # so a bad stretch (a changed workload) fades instead of ruling forever.
-    acceptance_half_life: float = 2000.0
-    # When the estimate says plain, still speculate on this share of requests: without
-    # trials the estimate could never learn that speculation pays again.
-    explore_share: float = 0.05
-    # A step shape the batch does not run (a verify while it runs plain, a plain step while
-    # it speculates) is measured again by one probe step at most this often, while nothing
-    # waits: the start-up calibration is a prior, and a wrong one must not rule for good.
-    probe_interval_s: float = 20.0
+class PolicySettings(BaseModel):
+    """The speculation policy's settings (serve_config.yaml `policy`); the one owner of them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    k_max: int = Field(6, ge=1, le=16, description="Largest k the policy chooses.")
+    min_expected_tokens: int = Field(12, ge=0, description=(
+        "Requests expected to produce fewer tokens go plain: nothing to amortize a draft "
+        "round over."))
+    min_speedup: float = Field(1.05, ge=1.0, description=(
+        "Speculate only where the cost model's expected speedup over plain is at least "
+        "this."))
+    draft_cost_ratio: float = Field(0.35, gt=0, description=(
+        "c, one draft forward over one plain target step, until the draft is measured."))
+    ngram_cost_ratio: float = Field(0.02, ge=0, description="The same for n-gram lookup.")
+    acceptance_prior: tuple[tuple[str, float], ...] = Field(
+        (("draft", 0.75), ("ngram", 0.15)), description=(
+            "Per-token acceptance per method until measured: a same-family draft agrees "
+            "often; prompt lookup rarely finds a match outside editing and quoting."))
+    prior_weight: float = Field(20.0, ge=0, description="Pseudo-trials behind the prior.")
+    collapse_rounds: int = Field(4, ge=1, description="A request's own rounds before its "
+                                 "acceptance is trusted over its method's.")
+    collapse_alpha: float = Field(0.25, ge=0, le=1, description="A request whose own "
+                                  "acceptance falls below this drops to plain.")
+    length_buckets: tuple[int, ...] = Field((64, 256, 1024, 4096), description=(
+        "Prompt-length buckets for learning the output lengths of finished requests."))
+    acceptance_half_life: float = Field(2000.0, ge=0, description=(
+        "Acceptance evidence halves in weight every this many trials (0 = never), so a "
+        "changed workload fades in instead of ruling forever."))
+    explore_share: float = Field(0.05, ge=0, le=1, description=(
+        "Share of requests that speculate although the estimate says plain: without trials "
+        "the estimate could never learn that speculation pays again."))
+    probe_interval_s: float = Field(20.0, ge=0, description=(
+        "A step shape the batch does not run (a verify while all run plain, a plain step "
+        "while all speculate) is measured by one probe step at most this often while "
+        "nothing waits (0 = never): a wrong start-up calibration cannot rule for good."))
 
 
 class AcceptanceTracker:
     """Per-token acceptance alpha per method: every drafted position up to and including the
     first rejection is one Bernoulli trial (later guesses were never tested). Exponentially
-    decayed: older trials weigh less (half-life in trials, see PolicyConfig)."""
+    decayed: older trials weigh less (half-life in trials, see PolicySettings)."""
 
-    def __init__(self, config: PolicyConfig) -> None:
+    def __init__(self, config: PolicySettings) -> None:
         self.config = config
         self.trials: dict[str, float] = {}
         self.kept: dict[str, float] = {}
@@ -98,7 +111,7 @@ class AcceptanceTracker:
 class LengthEstimator:
     """Completion length of finished requests, per prompt-length bucket (running mean)."""
 
-    def __init__(self, config: PolicyConfig) -> None:
+    def __init__(self, config: PolicySettings) -> None:
         self.config = config
         self.sum: dict[int, float] = {}
         self.count: dict[int, int] = {}
@@ -159,7 +172,7 @@ class Decision:
         return dataclasses.asdict(self)
 
 
-def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
+def decide(config: PolicySettings, methods: list[str], alpha: dict[str, float],
            expected_tokens: float, load: Load, cost: StepCostModel,
            forced_method: str | None = None, forced_k: int | None = None,
            draft_cost: DraftCostModel | None = None,
@@ -236,7 +249,7 @@ def decide(config: PolicyConfig, methods: list[str], alpha: dict[str, float],
     return best
 
 
-def revisit(config: PolicyConfig, method: str, own_trials: int, own_kept: int,
+def revisit(config: PolicySettings, method: str, own_trials: int, own_kept: int,
             rounds: int, method_alpha: float, load: Load, cost: StepCostModel,
             draft_cost: DraftCostModel | None = None, curve: list[float] | None = None,
             overlapped: bool = False, speculate: bool = False) -> int:

@@ -112,6 +112,10 @@ class _DraftSeq:
         return min(self.cached, self.base + kept)
 
 
+# Guesses of a sampled row are drawn from this many of the draft's most likely tokens.
+DEFAULT_Q_TOP_M = 64
+
+
 class DraftModelProposer:
     """A smaller model sharing the target's tokenizer, with its own KV slots.
 
@@ -137,7 +141,7 @@ class DraftModelProposer:
                  sampling: Literal["probabilistic", "greedy"] = "probabilistic",
                  vocab_limit: int | None = None,
                  confidence_threshold: float | None = None,
-                 q_top_m: int | None = 64) -> None:
+                 q_top_m: int | None = DEFAULT_Q_TOP_M) -> None:
         if sampling not in ("probabilistic", "greedy"):
             raise ValueError("draft sampling must be 'probabilistic' or 'greedy'")
         if confidence_threshold is not None and not 0.0 <= confidence_threshold < 1.0:

@@ -126,8 +126,8 @@ def test_standby_requests_follow_the_batch_decision(tiny_llama, tiny_llama_draft
     rows the policy could have matched (a mixed batch costs more than either pure one),
     and the row left alone speculates once the others finish; greedy output stays plain's."""
     from specdec.assemble import AssembledEngine
-    from specdec.engine_config import PolicySettings
     from specdec.engine_policy import EnginePolicy
+    from specdec.policy import PolicySettings
 
     # No probes: this is about the batch's decision from given costs (probes: test_policy).
     policy = EnginePolicy(PolicySettings(explore_share=0.0, probe_interval_s=0))

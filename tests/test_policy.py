@@ -14,13 +14,13 @@ from specdec.policy import (
     DraftCostModel,
     LengthEstimator,
     Load,
-    PolicyConfig,
+    PolicySettings,
     StepCostModel,
     decide,
     revisit,
 )
 
-CFG = PolicyConfig()
+CFG = PolicySettings()
 
 
 def flat_cost() -> StepCostModel:
@@ -82,7 +82,7 @@ def test_collapsed_request_acceptance_drops_to_plain():
 
 
 def test_acceptance_tracker_counts_trials_up_to_the_first_rejection():
-    t = AcceptanceTracker(PolicyConfig(prior_weight=0.0, acceptance_half_life=0))
+    t = AcceptanceTracker(PolicySettings(prior_weight=0.0, acceptance_half_life=0))
     t.observe("draft", 2, 1)   # kept 2, third rejected: 3 trials
     t.observe("draft", 4, 0)   # all 4 kept: 4 trials
     assert abs(t.alpha("draft") - 6 / 7) < 1e-12
@@ -164,14 +164,14 @@ def test_decide_uses_the_measured_curve_over_the_iid_model():
 
 
 def test_acceptance_is_a_recent_estimate():
-    t = AcceptanceTracker(PolicyConfig(prior_weight=0.0, acceptance_half_life=500))
+    t = AcceptanceTracker(PolicySettings(prior_weight=0.0, acceptance_half_life=500))
     for _ in range(500):
         t.observe("draft", 0, 1)          # a bad stretch: every first guess rejected
     assert t.alpha("draft") < 0.01
     for _ in range(300):
         t.observe("draft", 4, 1)          # then 4 of 5 tested guesses kept
     assert t.alpha("draft") > 0.7         # the bad stretch has faded (no decay: 0.60)
-    never = AcceptanceTracker(PolicyConfig(prior_weight=0.0, acceptance_half_life=0))
+    never = AcceptanceTracker(PolicySettings(prior_weight=0.0, acceptance_half_life=0))
     for _ in range(500):
         never.observe("draft", 0, 1)
     for _ in range(300):
@@ -183,9 +183,9 @@ def test_after_an_outage_the_policy_explores_and_speculates_again():
     """An outage that was counted as failures (or a bad stretch) drives the estimate to
     'plain'; a share of requests still speculates, their good rounds restore the estimate,
     and the policy speculates on every request again."""
-    from specdec.engine_config import PolicySettings
     from specdec.engine_policy import EnginePolicy, Overrides
     from specdec.metrics import SpecCounters
+    from specdec.policy import PolicySettings
     from specdec.request import RequestOutput
 
     policy = EnginePolicy(PolicySettings(acceptance_half_life=400, explore_share=0.1))
@@ -312,8 +312,8 @@ def test_no_exploring_where_the_load_alone_rules_speculation_out():
     """Exploration tests whether acceptance recovered; where a verify costs more than even a
     draft that is always right returns (a big batch on a compute-bound target), it only
     costs, so the policy does not explore there, and does again once the load is light."""
-    from specdec.engine_config import PolicySettings
     from specdec.engine_policy import EnginePolicy, Overrides
+    from specdec.policy import PolicySettings
 
     policy = EnginePolicy(PolicySettings(explore_share=0.25))
     for t, s in ROOFLINE:

@@ -15,10 +15,10 @@ from engine_helpers import greedy, load, make_engine, random_prompts
 from specdec.assemble import AssembledEngine
 from specdec.calibrate import noise
 from specdec.engine import StepRecord
-from specdec.engine_config import PolicySettings
 from specdec.engine_policy import EnginePolicy, Overrides
 from specdec.generate import plain_generate
 from specdec.metrics import SpecCounters
+from specdec.policy import PolicySettings
 from specdec.request import Request
 
 K_MAX = 6

@@ -11,13 +11,20 @@ tokens/s, TTFT and inter-token latency p50/p90, what the policy chose, and the s
 plain the cost model predicted (median of the requests' expected_speedup) next to the one
 measured; as a table, JSON and a PNG plot. Also the HTTP + Serve overhead per request,
 measured as the latency of a 1-token request against the engine's own time.
+
+With --peer, llama.cpp's llama-server runs beside the service on the GGUF file of the
+config's target, with --peer-slots parallel slots (its continuous batching, `-np 8` by
+default), and each level also sends the same requests to it (policy "llama.cpp"), so the
+sweep compares both servers at every concurrency in one run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+import os
 import time
 
 import httpx
@@ -26,10 +33,13 @@ from specdec.bench.prompts import PROMPT_SETS
 from specdec.bench.table import median, percentile, print_table, write_json
 from specdec.progress import Progress
 
+PEER = "llama.cpp"
+
 POLICIES = {
     "plain": lambda k: {"mode": "off"},
     "speculative": lambda k: {"mode": "on", "method": "draft", "k": k},
     "router": lambda k: {"mode": "auto"},
+    PEER: lambda k: None,  # llama-server: its own decoding, no extension field
 }
 
 
@@ -43,7 +53,9 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: i
                spec: dict, temperature: float, seed: int) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens, "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}, "speculative": spec}
+            "stream_options": {"include_usage": True}}
+    if spec is not None:
+        body["speculative"] = spec
     if temperature:
         body["seed"] = seed
     t0 = time.perf_counter()
@@ -81,7 +93,10 @@ async def _level(base: str, model: str, policy: str, k: int, clients: int,
     results: list[dict] = []
 
     async def client_loop(i: int) -> None:
-        async with httpx.AsyncClient(base_url=base, timeout=1800) as c:
+        # A fresh connection per request: llama-server closes kept-alive connections on
+        # its own schedule, and a request sent as one closes fails; both servers alike.
+        async with httpx.AsyncClient(base_url=base, timeout=1800,
+                                     limits=httpx.Limits(max_keepalive_connections=0)) as c:
             for j in range(per_client):
                 prompt, n = work[i * per_client + j]
                 results.append(await _one(c, model, prompt, n, POLICIES[policy](k),
@@ -92,6 +107,9 @@ async def _level(base: str, model: str, policy: str, k: int, clients: int,
     await asyncio.gather(*(client_loop(i) for i in range(clients)))
     wall = time.perf_counter() - t0
     ok = [r for r in results if "error" not in r]
+    if not ok:
+        raise RuntimeError(f"{policy} at {clients} clients: every request failed "
+                           f"({results[0] if results else 'none sent'})")
     itls = [r["itl"] for r in ok if r["itl"] is not None]
     spec = [r for r in ok if r["mode"] == "speculative"]
     predicted = [r["expected_speedup"] for r in ok if r.get("expected_speedup")]
@@ -185,32 +203,56 @@ def _plot(rows: list[dict], path: str) -> None:
     print(f"wrote {path}")
 
 
+@contextlib.contextmanager
+def _peer(args):
+    """llama-server on the target's GGUF file, with args.peer_slots slots (or nothing)."""
+    if not args.peer:
+        yield None
+        return
+    from specdec import hub
+    from specdec.bench.llama_peer import LlamaServer
+    from specdec.engine_config import EngineSpec
+    from specdec.gguf_file import gguf_in
+
+    target = gguf_in(hub.resolve(EngineSpec.from_config_file(args.config).target.model))
+    if target is None:
+        raise SystemExit(f"--peer: the target of {args.config} has no GGUF file")
+    threads = args.peer_threads or os.cpu_count() or 2
+    with LlamaServer(target, [], threads, slots=args.peer_slots) as server:
+        print(f"llama.cpp: {' '.join(server.cmd)}")
+        yield server.url
+
+
 def main(args) -> int:
     levels = args.clients
     repeats = max(1, args.repeats)
     total = repeats * len(args.temperatures) * len(args.policies) * sum(
         c * args.requests_per_client for c in levels)
+    policies = list(args.policies) + ([PEER] if args.peer else [])
+    total = total * len(policies) // len(args.policies)
     progress = Progress("bench serve", total=total, unit=" requests")
     runs: list[dict] = []
 
-    async def sweep():
+    async def sweep(peer_url):
         # Level-major: the policies at one level run back to back, under the same machine
         # conditions, so their ratio is fair even when the machine drifts over the sweep.
         for temperature in args.temperatures:
             for c in levels:
                 for r in range(repeats):
-                    for policy in _rotated(args.policies, r):
-                        run = await _level(args.url, args.model, policy, args.k, c,
+                    for policy in _rotated(policies, r):
+                        base = peer_url if policy == PEER else args.url
+                        run = await _level(base, args.model, policy, args.k, c,
                                            args.requests_per_client, args.max_tokens,
                                            progress, temperature)
                         runs.append(run | {"repeat": r})
         return await http_overhead(args.url, args.model)
 
-    overhead = asyncio.run(sweep())
+    with _peer(args) as peer_url:
+        overhead = asyncio.run(sweep(peer_url))
     progress.close()
     rows = [_median_run([x for x in runs if x["temperature"] == t and x["clients"] == c
                          and x["policy"] == p])
-            for t in args.temperatures for c in levels for p in args.policies]
+            for t in args.temperatures for c in levels for p in policies]
     for temperature in args.temperatures:
         for c in levels:
             at = {r["policy"]: r for r in rows
@@ -223,9 +265,12 @@ def main(args) -> int:
                 if "plain" in at and at["plain"]["output_tokens_per_s"]:
                     r["measured_speedup"] = (r["output_tokens_per_s"]
                                              / at["plain"]["output_tokens_per_s"])
+                if PEER in at and at[PEER]["output_tokens_per_s"]:
+                    r["vs_llama_cpp"] = (r["output_tokens_per_s"]
+                                         / at[PEER]["output_tokens_per_s"])
     print_table(rows, ["temperature", "policy", "clients", "requests", "errors",
                        "output_tokens_per_s", "vs_best_static", "predicted_speedup",
-                       "measured_speedup", "spread", "ttft_p50_s", "ttft_p90_s", "itl_p50_ms",
+                       "measured_speedup", "vs_llama_cpp", "spread", "ttft_p50_s", "ttft_p90_s", "itl_p50_ms",
                        "itl_p90_ms", "speculative_share", "speculated_share", "ngram_share",
                        "k_mean"],
                 title=f"{args.url} {args.model}: concurrency sweep")
@@ -233,7 +278,7 @@ def main(args) -> int:
                "sum_over_levels_tokens_per_s": sum(
                    r["output_tokens_per_s"] for r in rows
                    if r["policy"] == p and r["temperature"] == t)}
-              for t in args.temperatures for p in args.policies]
+              for t in args.temperatures for p in policies]
     print_table(totals, ["temperature", "policy", "sum_over_levels_tokens_per_s"],
                 title="whole sweep")
     print_table([overhead], list(overhead), title="HTTP + Serve overhead per request")
