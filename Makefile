@@ -41,7 +41,7 @@ serve: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(SERVE_ENV) exec $(BIN)/serve run serve_config.yaml
 
 lint: install
-	$(BIN)/ruff check specdec deployments tests
+	$(BIN)/ruff check specdec deployments cli benchmarks tools tests
 
 # A real Prometheus for the dashboard test (Debian's package; the service is not started).
 prometheus:
@@ -61,7 +61,8 @@ bench: models
 
 # The CPU peer, llama.cpp's llama-server and llama-bench, built from the source vendored in
 # the llama-cpp-python sdist (no binary wheels exist); about 15 minutes on 2 cores. Not part
-# of `make test`; `specdec bench served --peer` adds its rows from peers/llama/build/bin.
+# of `make test`. `specdec bench served` adds its rows from peers/llama/build/bin, and
+# `specdec bench serve --peer` runs it beside the service at every concurrency.
 LLAMA_CPP_VERSION ?= 0.3.36
 PEER_DIR := peers/llama
 peer: $(PEER_DIR)/build/bin/llama-server

@@ -6,14 +6,11 @@ from __future__ import annotations
 from pydantic import ValidationError
 from ray import serve
 
+from deployments.actors.placement import bundles_for
 from deployments.app_config import AppArgs
 from deployments.engine_server import EngineServer
-from deployments.placement import bundles_for
-from deployments.router import Router
-
-
-class ConfigError(ValueError):
-    pass
+from deployments.ingress import Ingress
+from specdec.errors import ConfigError
 
 
 def parse_args(args: dict) -> AppArgs:
@@ -41,7 +38,7 @@ def build_app(args: dict):
             "downscale_delay_s": auto.downscale_delay_s},
         health_check_period_s=10, health_check_timeout_s=60,
     ).bind(cfg.engine_spec().model_dump(), cfg.replica_cpus)
-    return Router.options(num_replicas=cfg.router_replicas,
-                          max_ongoing_requests=cfg.router_max_ongoing_requests,
-                          ray_actor_options={"num_cpus": cfg.router_cpus}).bind(
+    return Ingress.options(num_replicas=cfg.ingress_replicas,
+                          max_ongoing_requests=cfg.ingress_max_ongoing_requests,
+                          ray_actor_options={"num_cpus": cfg.ingress_cpus}).bind(
         engine, cfg.model_dump())

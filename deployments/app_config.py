@@ -5,9 +5,9 @@ the benchmarks assemble from); the rest is how Serve runs it."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
-from specdec.engine_config import EngineSpec
+from specdec.engine.spec import EngineSpec
 
 
 class Autoscaling(BaseModel):
@@ -40,16 +40,21 @@ class AppArgs(EngineSpec):
                                             description="Serve autoscaling of the engine.")
     replica_cpus: float = Field(0.0, ge=0, description="CPUs the engine replica itself "
                                 "reserves (its loop; the models are in their own actors).")
-    router_cpus: float = Field(0.0, ge=0, description="CPUs each HTTP router replica "
-                               "reserves.")
-    router_replicas: int = Field(1, ge=1, description="HTTP router replicas.")
+    ingress_cpus: float = Field(0.0, ge=0, validation_alias=AliasChoices(
+        "ingress_cpus", "router_cpus"), description="CPUs each HTTP ingress replica "
+                                                    "reserves (router_cpus: its old name).")
+    ingress_replicas: int = Field(1, ge=1, validation_alias=AliasChoices(
+        "ingress_replicas", "router_replicas"), description="HTTP ingress replicas "
+                                                            "(router_replicas: its old name).")
     # It must exceed the engine's own capacity (slots + waiting) so an overloaded engine
     # answers 503 itself instead of requests piling up unseen in Serve's queue.
     max_ongoing_requests: int | None = Field(None, ge=1, description=(
         "Requests in flight per engine replica before Serve queues them; default: "
         "2 x (runtime.max_slots + max_waiting)."))
-    router_max_ongoing_requests: int = Field(1024, ge=1, description="Requests in flight "
-                                             "per router replica.")
+    ingress_max_ongoing_requests: int = Field(1024, ge=1, validation_alias=AliasChoices(
+        "ingress_max_ongoing_requests", "router_max_ongoing_requests"), description=(
+            "Requests in flight per ingress replica (router_max_ongoing_requests: its old "
+            "name)."))
     api_key: str | None = Field(None, min_length=8, repr=False, description=(
         "Required as `Authorization: Bearer KEY` on every route but a minimal /health. The "
         "SPECDEC_API_KEY environment variable takes precedence (keep keys out of files)."))

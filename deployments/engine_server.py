@@ -1,8 +1,8 @@
-"""The `Engine` Serve deployment: one replica = one engine assembled by specdec.assemble
+"""The `Engine` Serve deployment: one replica = one engine assembled by specdec.engine.assemble
 with the Ray backend (target group + draft in the replica's placement group; bundle 0 hosts
 the replica itself), its batching loop on a thread of its own. Requests stream back as
 async generators. The replica decides each request's speculation from its own load (see
-specdec/engine_policy.py) and reports the decision with the first chunk."""
+specdec/policy/engine_policy.py) and reports the decision with the first chunk."""
 
 from __future__ import annotations
 
@@ -10,22 +10,20 @@ import asyncio
 import logging
 import threading
 import time
-import uuid
 
 from ray import serve
 from ray.util import get_current_placement_group
 
+from deployments.actors.procinfo import rss_mb
+from deployments.actors.ray_backend import RayBackend
+from deployments.contract import Decided, GenerateCall, Refused, Tokens
 from deployments.metrics import EngineMetrics
-from deployments.procinfo import rss_mb
-from deployments.ray_backend import RayBackend
 from deployments.startup import StartupReporter
-from specdec.assemble import assemble
-from specdec.engine_config import EngineSpec
-from specdec.engine_policy import Overrides
-from specdec.request import CapacityError, EngineError, TargetDown
-from specdec.sampling import SamplingParams
-from specdec.timeline import timeline_summary
-from specdec.watchdog import Watchdog
+from specdec.engine.assemble import assemble
+from specdec.engine.spec import EngineSpec
+from specdec.engine.timeline import timeline_summary
+from specdec.engine.watchdog import Watchdog
+from specdec.errors import CapacityError, EngineError, ErrorKind, TargetDown
 
 log = logging.getLogger("ray.serve")
 
@@ -96,59 +94,44 @@ class EngineServer:
             # A whole response is sent once: every chunk crossing to the router and on is
             # CPU taken from the next step's forward on a small machine.
             return
-        chunk = {"text": out.new_text if stream else out.text,
-                 "token_ids": out.new_token_ids if stream else out.token_ids,
-                 "finished": out.finished,
-                 "finish_reason": out.finish_reason, "error": out.error,
-                 "error_kind": out.error_kind,
-                 "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.token_ids),
-                 "k": out.k, "spec": out.spec.as_dict() if out.finished else None}
+        chunk = Tokens(text=out.new_text if stream else out.text,
+                       token_ids=out.new_token_ids if stream else out.token_ids,
+                       finished=out.finished, finish_reason=out.finish_reason,
+                       prompt_tokens=out.prompt_tokens, completion_tokens=len(out.token_ids),
+                       k=out.k, spec=out.spec.as_dict() if out.finished else None,
+                       error=out.error, error_kind=out.error_kind)
         loop.call_soon_threadsafe(queue.put_nowait, chunk)
 
     # ---- the API the router calls ----------------------------------------------------------
 
-    async def generate(self, payload: dict):
-        """payload: prompt_ids, params (SamplingParams fields), speculative (mode, method,
-        k), stream. Yields a decision chunk, then chunks as tokens are accepted (stream) or
-        one chunk with the whole output; the last one has finished=True."""
-        rid = payload.get("request_id") or uuid.uuid4().hex
+    async def generate(self, call: GenerateCall):
+        """Yields Decided (or Refused, and nothing more), then Tokens as they are accepted
+        (stream) or one Tokens with the whole output; the last one has finished=True."""
+        rid = call.request_id
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        try:
-            params = SamplingParams(**payload["params"])
-        except ValueError as exc:  # the router validates first; this is the last guard
-            yield {"error": str(exc), "error_kind": "invalid", "finished": True}
-            return
-        wanted = Overrides(**(payload.get("speculative") or {}))
-        self._queues[rid] = (loop, queue, bool(payload.get("stream", True)))
+        self._queues[rid] = (loop, queue, call.stream)
         try:
             try:
-                req, decision = self.built.submit(rid, payload["prompt_ids"], params, wanted,
-                                                  self._deliver)
-            except TargetDown as exc:
-                self.metrics.refused("target_down")
-                yield {"error": str(exc), "error_kind": "target_down", "finished": True}
-                return
-            except CapacityError as exc:
-                self.metrics.refused("capacity")
-                yield {"error": str(exc), "error_kind": "capacity", "finished": True}
-                return
+                req, decision = self.built.submit(rid, call.prompt_ids, call.params,
+                                                  call.speculative, self._deliver)
             except EngineError as exc:
-                self.metrics.refused("invalid")
-                yield {"error": str(exc), "error_kind": "invalid", "finished": True,
-                       "param": exc.param}
+                kind = ErrorKind.TARGET_DOWN if isinstance(exc, TargetDown) else \
+                    ErrorKind.CAPACITY if isinstance(exc, CapacityError) else ErrorKind.INVALID
+                self.metrics.refused(kind)
+                yield Refused(kind, str(exc), exc.param)
                 return
-            yield {"decision": decision.as_dict(), "finished": False}
+            yield Decided(decision.as_dict())
             self.metrics.admitted(decision.method)  # a standby request counts as plain
             self._wake.set()
             while True:
                 chunk = await queue.get()
-                if chunk["finished"]:
+                if chunk.finished:
                     # Time inside the engine replica, so callers can tell HTTP/Serve overhead.
-                    chunk["engine_s"] = time.perf_counter() - started
+                    chunk.engine_s = time.perf_counter() - started
                 yield chunk
-                if chunk["finished"]:
+                if chunk.finished:
                     return
         finally:
             # Reached on normal completion and when the client went away (cancellation):
@@ -169,8 +152,8 @@ class EngineServer:
         draft = self.built.draft
         load.update({
             "methods": methods,
-            "target_failures": getattr(self.engine.target, "failures", 0),
-            "target_down": getattr(self.engine.target, "down", None),
+            "target_failures": self.engine.target.failures,
+            "target_down": self.engine.target.down,
             "target_last_rebuild_s": getattr(self.engine.target, "last_rebuild_s", None),
             "target_last_start": getattr(getattr(self.engine.target, "group", None),
                                          "last_start", None),

@@ -7,36 +7,30 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import tempfile
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from deployments.placement import bundles_for
-from deployments.ray_backend import RayBackend
-from specdec.assemble import AssembledEngine, assemble
-from specdec.engine_config import EngineSpec
+from deployments.actors.placement import bundles_for
+from deployments.actors.ray_backend import RayBackend
+from specdec.engine.assemble import AssembledEngine, assemble
+from specdec.engine.spec import EngineSpec
+from specdec.ports import free_port
 
-# Ray Serve's own upkeep, slowed down for small machines. Its controller runs a control loop
-# every 0.1 s and replicas export metrics every 0.1 s: 16% of a core on an idle 2-core box,
-# which slowed the engine's OpenMP regions (2 threads on 2 cores stall whenever either is
-# preempted) by 15-20% (in-process engine beside an idle app: 8.1 -> 6.8 tokens/s). At 1 s
-# the upkeep is 9% and the engine kept its speed. `make serve` sets the same.
+# Ray Serve's own upkeep, slowed down for small machines: its controller's control loop and
+# the replicas' metric exports run every 0.1 s, a visible share of a 2-core box, and the
+# engine's OpenMP regions stall whenever one of their threads is preempted. `make serve`
+# sets the same (docs/tuning-cpu.md).
 # And Ray starts its worker processes (our target and draft shards among them) at nice 15:
-# on a machine shared with anything at the default priority (a build, a test run) the
-# shards then get about 3% of a core each, so a start-up that takes 90 s quiet had not
-# finished its calibration after 5 minutes beside two CPU-bound processes. Serving is the
-# machine's job here: its workers compete at the default priority.
+# beside anything at the default priority (a build, a test run) the shards then get a few
+# percent of a core each and a start-up does not finish. Serving is the machine's job here:
+# its workers compete at the default priority.
 QUIET_SERVE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1",
                    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
                    "RAY_worker_niceness": "0"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -64,12 +64,12 @@ class EngineMetrics:
         self.draft_up = Gauge("specdec_draft_up",
                               "1 when the draft group serves guesses, 0 while it is rebuilt")
         self.chosen_k = Gauge("specdec_chosen_k", "guesses per drafting row in the last step")
-        # The policy's inputs, as this engine measures them (names kept from when the
-        # router held them).
-        self.alpha = Gauge("specdec_router_alpha", "acceptance alpha the policy uses",
-                           tag_keys=m)
-        self.draft_cost_ratio = Gauge("specdec_router_draft_cost_ratio",
-                                      "draft step / target step the policy uses")
+        # The policy's inputs, as this engine measures them.
+        self.alpha = _renamed(Gauge, "specdec_policy_alpha", "specdec_router_alpha",
+                              "acceptance alpha the policy uses", tag_keys=m)
+        self.draft_cost_ratio = _renamed(Gauge, "specdec_policy_draft_cost_ratio",
+                                         "specdec_router_draft_cost_ratio",
+                                         "draft step / target step the policy uses")
         self.probes = Counter("specdec_policy_probes",
                               "probe steps: a step shape the batch did not run, measured "
                               "(verify while plain, plain while speculating)", tag_keys=("shape",))
@@ -148,20 +148,23 @@ class EngineMetrics:
             self.e2e.observe(out.e2e_s, tags=t)
 
 
-class RouterMetrics:
+class IngressMetrics:
     """Every routing decision and the inputs it was made from, so a dashboard can show why
     traffic went plain or speculative (the response's spec_decode shows it per request),
     and every error answered, by status and code."""
 
     def __init__(self) -> None:
-        self.decisions = Counter(
-            "specdec_router_decisions", "routing decisions by outcome and reason",
+        self.decisions = _renamed(
+            Counter, "specdec_policy_decisions", "specdec_router_decisions",
+            "the policy's decisions by outcome and reason",
             tag_keys=("mode", "method", "k", "why"))
-        self.expected_speedup = Histogram(
-            "specdec_router_expected_speedup", "policy's expected goodput over plain",
+        self.expected_speedup = _renamed(
+            Histogram, "specdec_policy_expected_speedup", "specdec_router_expected_speedup",
+            "policy's expected goodput over plain",
             boundaries=[1.0, 1.1, 1.25, 1.5, 2, 2.5, 3, 4])
-        self.expected_tokens = Histogram(
-            "specdec_router_expected_tokens", "expected completion length used by the policy",
+        self.expected_tokens = _renamed(
+            Histogram, "specdec_policy_expected_tokens", "specdec_router_expected_tokens",
+            "expected completion length used by the policy",
             boundaries=[8, 16, 32, 64, 128, 256, 512, 1024, 2048])
         self.errors = Counter("specdec_http_errors", "error responses by status and code",
                               tag_keys=("status", "code"))
@@ -176,3 +179,28 @@ class RouterMetrics:
 
     def error(self, status: int, code: str | None) -> None:
         self.errors.inc(tags={"status": str(status), "code": code or ""})
+
+
+class _Both:
+    """A metric under its name and under the name it had before (kept for a release, so
+    dashboards and alerts built on the old name keep working; docs/metrics.md lists them)."""
+
+    def __init__(self, new, old) -> None:
+        self._metrics = (new, old)
+
+    def set(self, *args, **kw) -> None:
+        for m in self._metrics:
+            m.set(*args, **kw)
+
+    def inc(self, *args, **kw) -> None:
+        for m in self._metrics:
+            m.inc(*args, **kw)
+
+    def observe(self, *args, **kw) -> None:
+        for m in self._metrics:
+            m.observe(*args, **kw)
+
+
+def _renamed(kind, name: str, old_name: str, description: str, **kw) -> _Both:
+    return _Both(kind(name, description, **kw), kind(old_name, f"{description} (old name of "
+                                                               f"{name})", **kw))

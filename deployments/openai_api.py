@@ -20,7 +20,7 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specdec.sampling import SEED_MAX, SEED_MIN
+from specdec.model.sampling import SEED_MAX, SEED_MIN
 
 MAX_TOKENS_CAP = 1 << 20
 _SURROGATE = re.compile("[\ud800-\udfff]")

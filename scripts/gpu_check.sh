@@ -12,9 +12,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv
 specdec models fetch qwen-pair
 python - <<'PY'
 import time, torch
-from specdec.hub import resolve
-from specdec.model import Decoder
-from specdec.batch import BatchInput
+from specdec.pack.hub import resolve
+from specdec.model.decoder import Decoder
+from specdec.model.batch import BatchInput
 from transformers import AutoModelForCausalLM
 path = resolve("qwen2.5-coder-0.5b")
 ids = list(range(100, 140))
@@ -30,7 +30,7 @@ python - <<'PY'
 import time
 from deployments.config import GroupRuntimeConfig, ModelGroupConfig, ActorResources
 from deployments.launch import local_ray
-from deployments.target import RayTargetRunner
+from deployments.actors.target import RayTargetRunner
 with local_ray(num_cpus=4):
     import ray
     r = RayTargetRunner(ModelGroupConfig(model="qwen2.5-coder-1.5b", tp=1, dtype="bfloat16",

@@ -17,12 +17,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 echo "== exactness suite on CUDA, fp32"
 SPECDEC_TEST_DEVICE=cuda timeout 170 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_engine_exactness.py tests/test_engine_behaviour.py 2>&1 | tail -15
+    tests/engine/test_engine_exactness.py tests/engine/test_engine_behaviour.py 2>&1 | tail -15
 echo "== the pair's architectures, random weights"
 timeout 170 python3 scripts/gpu_random_pair.py "$KIT" /tmp/rand
 echo "== bench decode, bf16, batch 1 and 8"
 for b in 1 8; do
-    timeout 110 python3 -m specdec.cli bench decode --device cuda --dtype bfloat16 \
+    timeout 110 python3 -m cli.main bench decode --device cuda --dtype bfloat16 \
         --target /tmp/rand/qwen15 --draft /tmp/rand/qwen05 --draft-vocab-limit 32768 \
         --k 2 4 --max-tokens 64 --sets code --prompts-per-set 2 --batch $b \
         $([ $b = 8 ] && echo --no-hf) --json "$OUT/decode_b$b.json" 2>&1 | grep -v "Loading weights"

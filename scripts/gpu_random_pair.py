@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from specdec.batch import BatchInput
-from specdec.model import Decoder
+from specdec.model.batch import BatchInput
+from specdec.model.decoder import Decoder
 
 DEVICE = os.environ.get("SPECDEC_DEVICE", "cuda")  # cpu: a smoke run of this script
 ROWS = [int(r) for r in os.environ.get("SPECDEC_ROWS", "1 4 8 16").split()]

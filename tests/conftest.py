@@ -108,7 +108,7 @@ def tiny_checkpoint(request, tiny_llama, tiny_qwen2) -> Path:
 
 
 def pack_model(name: str) -> Path:
-    from specdec import hub
+    from specdec.pack import hub
 
     return hub.resolve(name, fetch_missing=True)
 

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import collections
 import os
 
+import numpy as np
 import torch
+from scipy.stats import chi2_contingency
 
-from specdec.engine import Engine, EngineConfig
-from specdec.model import Decoder
-from specdec.proposers import DraftModelProposer, NgramProposer
-from specdec.request import Request
-from specdec.sampling import SamplingParams
-from specdec.target_runner import LocalTargetRunner
+from specdec.engine.engine import Engine, EngineConfig
+from specdec.engine.request import Request
+from specdec.model.decoder import Decoder
+from specdec.model.generate import plain_generate
+from specdec.model.sampling import SamplingParams
+from specdec.spec_decode.proposers import DraftModelProposer, NgramProposer
+from specdec.spec_decode.target_runner import LocalTargetRunner
 
 _MODELS: dict = {}
 # The engine tests run on CPU; SPECDEC_TEST_DEVICE=cuda runs the same exactness checks with
@@ -49,3 +53,34 @@ def greedy(max_tokens=24, **kw) -> SamplingParams:
 
 def requests(prompts, params, method="none", k=0, prefix="r") -> list[Request]:
     return [Request(f"{prefix}{i}", p, params, method, k) for i, p in enumerate(prompts)]
+
+
+BIG_QUEUE = EngineConfig(max_waiting=10**5)
+
+
+def plain_reference(target, prompts, max_tokens=24):
+    return plain_generate(load(target), prompts, greedy(max_tokens)).token_ids
+
+
+def first_three_counts(engine_factory, method, k, n, temperature, seed0):
+    engine = engine_factory()
+    prompt = [5, 17, 33, 8]
+    # max_tokens 4: the first token comes from the prefill, tokens 2-3 from one round of
+    # k = 2 drafts (its bonus token is the 4th, not compared).
+    reqs = [Request(f"s{i}", prompt, SamplingParams(temperature=temperature, max_tokens=4,
+                                                    ignore_eos=True, seed=seed0 + i), method, k)
+            for i in range(n)]
+    outs = engine.run(reqs)
+    return collections.Counter(tuple(o.token_ids[:3]) for o in outs.values()), engine
+
+
+def contingency_pvalue(a: collections.Counter, b: collections.Counter) -> float:
+    keys = sorted(set(a) | set(b))
+    table = np.array([[a.get(x, 0) for x in keys], [b.get(x, 0) for x in keys]], dtype=float)
+    # Pool sparse categories (expected count < 5) into one, where chi-square is valid.
+    total = table.sum(0)
+    expected_min = total * min(table.sum(1)) / table.sum()
+    rare = expected_min < 5
+    if rare.any():
+        table = np.concatenate([table[:, ~rare], table[:, rare].sum(1, keepdims=True)], axis=1)
+    return chi2_contingency(table).pvalue

@@ -9,7 +9,8 @@ import os
 from ray import serve
 
 from deployments.app import build_app
-from deployments.launch import free_port
+from specdec.engine.spec import EngineSpec
+from specdec.ports import free_port
 
 
 def tiny_app_args(target, draft, **extra) -> dict:
@@ -20,7 +21,7 @@ def tiny_app_args(target, draft, **extra) -> dict:
                         "collective_timeout_s": 10, "step_timeout_s": 20,
                         "draft_retry_s": 0.5},
             "max_waiting": 16, "default_max_tokens": 16, "replica_cpus": 0.1,
-            "router_cpus": 0.1, "warmup": False}
+            "ingress_cpus": 0.1, "warmup": False}
     for key, value in extra.items():
         args[key] = {**args[key], **value} if isinstance(value, dict) and key in args \
             else value
@@ -53,3 +54,15 @@ def env(**values):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+RUNTIME = {"max_slots": 8, "max_len": 128, "gloo_socket_ifname": "lo"}
+
+
+def tiny_spec(target_path, draft_path, target=None, draft=None, runtime=None,
+              **kw) -> EngineSpec:
+    shard = {"dtype": "float32", "threads": 1, "resources": {"num_cpus": 0.25}}
+    return EngineSpec.model_validate({
+        "target": {"model": str(target_path), **shard, **(target or {})},
+        "draft": {"model": str(draft_path), **shard, **(draft or {})},
+        "runtime": {**RUNTIME, **(runtime or {})}, "warmup": False, **kw})

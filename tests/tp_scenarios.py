@@ -2,17 +2,9 @@
 
 from __future__ import annotations
 
-import socket
-
 import torch
 
-from specdec.batch import BatchInput
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from specdec.model.batch import BatchInput
 
 
 def scenario_logits(model, cache, seqs: list[list[int]], argmax: bool = False
@@ -39,9 +31,9 @@ def scenario_logits(model, cache, seqs: list[list[int]], argmax: bool = False
 def run_rank(rank: int, world: int, port: int, ckpt: str, seqs, result_path: str,
              vocab_limit: int | None = None) -> None:
     """Entry point of one spawned process: build the shard, lead or follow."""
-    from specdec.model import Decoder
-    from specdec.parallel import Group, LeaderDecoder, follow
-    from specdec.sharding import ShardSpec
+    from specdec.model.decoder import Decoder
+    from specdec.model.parallel import Group, LeaderDecoder, follow
+    from specdec.model.sharding import ShardSpec
 
     torch.set_num_threads(1)
     group = Group(rank, world, f"tcp://127.0.0.1:{port}", "cpu", timeout_s=60)

@@ -7,6 +7,7 @@ Run `python -m tools.config_reference` after changing a field.
 
 from __future__ import annotations
 
+import re
 import sys
 import types
 import typing
@@ -56,10 +57,7 @@ def _type(annotation) -> str:
     if typing.get_origin(annotation) is typing.Literal:
         return " \\| ".join(f"`{a}`" for a in typing.get_args(annotation))
     text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
-    text = text or str(annotation).replace("typing.", "")
-    for name in ("ModelGroupConfig", "DraftGroupConfig", "ActorResources", "RuntimeConfig",
-                 "PolicySettings", "Autoscaling"):
-        text = text.replace(f"specdec.engine_config.{name}", name)
+    text = text or re.sub(r"\b[\w.]+\.(\w+)", r"\1", str(annotation))  # bare class names
     return text.replace("|", "\\|")
 
 

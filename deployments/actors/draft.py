@@ -1,0 +1,149 @@
+"""The draft model as its own Ray actor group, behind the engine's `Proposer` protocol.
+
+Its KV slots and its copies of the sequences' contexts live in the actor: per round only
+what changed crosses (specdec/spec_decode/wire.py), and "sequence finished" notices ride along with the
+next call. A lost draft never fails a request: proposals come back empty (the engine
+decodes those rounds plainly) while the group is rebuilt in the background, and speculation
+resumes once it is back (sequences re-send their context to the new draft).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from deployments.actors.shard_group import GroupFailed, ShardError, ShardGroup
+from specdec.engine.spec import DraftGroupConfig, RuntimeConfig
+from specdec.spec_decode.calls import CallStats
+from specdec.spec_decode.proposal import Proposal, ProposeInput
+from specdec.spec_decode.wire import ContextSender, payload_bytes
+
+log = logging.getLogger(__name__)
+
+
+class DraftUnavailable(RuntimeError):
+    """No guesses this round: the engine decodes it plainly and counts nothing against the
+    draft's acceptance."""
+
+
+class RayDraftProposer:
+    name = "draft"
+
+    def __init__(self, cfg: DraftGroupConfig, runtime: RuntimeConfig,
+                 placement_group=None, bundle_indices: list[int] | None = None) -> None:
+        self.group = ShardGroup("draft", cfg, runtime, placement_group, bundle_indices,
+                                extra={"sampling": cfg.sampling, "vocab_limit": cfg.vocab_limit,
+                                       "confidence_threshold": cfg.confidence_threshold,
+                                       "q_top_m": cfg.q_top_m})
+        self.runtime = runtime
+        self.stats = self.group.start()
+        self.sender = ContextSender()
+        self._released: list[str] = []
+        self._lock = threading.Lock()
+        self._rebuilding = False
+        self.failures = 0
+        self.last_call: CallStats | None = None
+        self.overlaps = True
+        self._window_id = 0
+
+    @property
+    def available(self) -> bool:
+        return bool(self.group.actors) and not self._rebuilding
+
+    def propose(self, inputs: list[ProposeInput]) -> list[Proposal]:
+        ref, sent = self._submit("draft_propose", inputs)
+        return self._result(ref, sent)
+
+    def start_window(self, inputs: list[ProposeInput]) -> _RayWindow:
+        """Overlap (specdec/spec_decode/overlap.py): the draft actor drafts until stopped, while the
+        engine's thread waits on the target group."""
+        self._window_id += 1
+        ref, sent = self._submit("draft_window", inputs, self._window_id)
+        return _RayWindow(self, ref, sent, self._window_id)
+
+    def _submit(self, method: str, inputs: list[ProposeInput], *extra):
+        self.last_call = None
+        if not self.available:
+            raise DraftUnavailable("the draft group is being rebuilt")
+        deltas = self.sender.encode(inputs)
+        released, self._released = self._released, []
+        try:
+            ref = self.group.submit(method, deltas, released, *extra)
+        except GroupFailed as exc:
+            self._lost(exc)
+        return ref, (deltas, released)
+
+    def _result(self, ref, sent) -> list[Proposal]:
+        try:
+            proposals, compute_s = self.group.get(ref, "draft")
+        except (GroupFailed, ShardError) as exc:
+            self._lost(exc)
+        self.last_call = CallStats(compute_s, payload_bytes(sent) + payload_bytes(proposals))
+        return proposals
+
+    def _lost(self, exc: Exception):
+        # Its copies of the contexts may be half-updated: start from a fresh draft.
+        self.failures += 1
+        log.error("draft group failed (%s); decoding plainly until it is back", exc)
+        self._start_rebuild()
+        raise DraftUnavailable(str(exc)) from exc
+
+    def probe(self) -> None:
+        """Health check between requests: a draft that died while nobody asked it for
+        guesses is noticed (and rebuilt) here rather than on the next speculative round."""
+        if self.available and not self.group.answers():
+            self.failures += 1
+            log.error("draft group does not answer; rebuilding")
+            self._start_rebuild()
+
+    def accepted(self, seq_id: str, valid_len: int) -> None:
+        """Nothing to send: the draft sees from the next context which guesses were kept."""
+
+    def release(self, seq_id: str) -> None:
+        self.sender.forget(seq_id)
+        self._released.append(seq_id)
+
+    def _start_rebuild(self) -> None:
+        with self._lock:
+            if self._rebuilding:
+                return
+            self._rebuilding = True
+        self.group.kill()
+        self.sender.reset()  # the new draft holds no context: the next call sends it all
+        self._released = []
+        threading.Thread(target=self._rebuild_loop, daemon=True, name="draft-rebuild").start()
+
+    def _rebuild_loop(self) -> None:
+        while True:
+            try:
+                self.stats = self.group.start()
+                log.info("draft group is back")
+                break
+            except Exception as exc:  # noqa: BLE001 - keep trying; requests run plainly
+                log.warning("draft group rebuild failed: %s; retrying", exc)
+                time.sleep(self.runtime.draft_retry_s)
+        with self._lock:
+            self._rebuilding = False
+
+    def shutdown(self) -> None:
+        self.group.kill()
+
+
+class _RayWindow:
+    """A draft window running in the draft actor (see RayDraftProposer.start_window)."""
+
+    def __init__(self, proposer: RayDraftProposer, ref, sent, window_id: int) -> None:
+        self.proposer, self.ref, self.sent, self.window_id = proposer, ref, sent, window_id
+
+    def stop(self) -> None:
+        group = self.proposer.group
+        if group.actors:
+            # The control thread marks it; the compute thread stops before its next forward.
+            try:
+                group.leader.stop_window.remote(self.window_id)
+            except Exception:  # noqa: BLE001 - a dead actor: result() reports it
+                pass
+
+    def result(self) -> list[Proposal]:
+        return self.proposer._result(self.ref, self.sent)

@@ -1,0 +1,424 @@
+"""The `Ingress` deployment: HTTP ingress (OpenAI-compatible), request validation and
+tokenization, and the hand-off to an engine replica with what the request says about
+speculation. The replica that runs a request decides plain or speculative and k from its
+own load (specdec/policy/engine_policy.py); its decision comes back with the first chunk and is
+reported in `spec_decode` and the router's decision metrics. No maths here.
+
+Hardening: bodies are capped (413) before they are read whole; bodies are validated by the
+declared models (400 naming the field, also for JSON too deeply nested to parse); text is
+tokenized on a worker thread, so a long prompt never stalls the event loop that serves
+everyone else; an API key, when configured, guards every /v1 route (401); 503s carry
+Retry-After.
+"""
+
+
+import asyncio
+import concurrent.futures
+import hmac
+import json
+import logging
+import os
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deployments.app_config import AppArgs
+from deployments.body_limit import BodyLimit
+from deployments.contract import Decided, GenerateCall, Refused, Tokens
+from deployments.metrics import IngressMetrics
+from deployments.openai_api import (
+    APIError,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    error_response,
+    validation_message,
+)
+from deployments.startup import waiting_for
+from specdec.errors import ErrorKind
+from specdec.model.sampling import SamplingParams
+from specdec.pack.hub import resolve
+from specdec.pack.tokenizer import chat_ids, load_tokenizer
+from specdec.policy.engine_policy import Overrides
+
+log = logging.getLogger("ray.serve")
+MAX_BODY_BYTES = 4 << 20  # a body beyond this is refused (413) before it is read whole
+api = FastAPI(title="specdec-serve", version="0.2.0", openapi_url=None)
+api.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+RETRY_AFTER_S = "2"
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
+
+
+_metrics: IngressMetrics | None = None  # this replica's, set when it starts
+
+
+def _count(status: int, code: str | None = None) -> None:
+    if _metrics is not None:
+        _metrics.error(status, code)
+
+
+@api.exception_handler(APIError)
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    _count(exc.status, exc.code)
+    return exc.response()
+
+
+@api.exception_handler(RequestValidationError)
+async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    msg, param = validation_message(exc.errors())
+    _count(400, "invalid_request")
+    return error_response(400, msg, param=param)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    # Route not found, method not allowed, body too large or unparsable: OpenAI-shaped too.
+    detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+    _count(exc.status_code)
+    if exc.status_code == 400 and "parsing the body" in detail:
+        detail = "request body could not be parsed as JSON (malformed, or nested too deeply)"
+    return error_response(exc.status_code, detail,
+                          "invalid_request_error" if exc.status_code < 500 else "server_error",
+                          headers=getattr(exc, "headers", None))
+
+
+@api.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error")
+    _count(500, "server_error")
+    return error_response(500, "internal error; see the server log", "server_error")
+
+
+class IngressServer:
+    def __init__(self, engine, args: dict) -> None:
+        self.args = AppArgs.model_validate(args)
+        self.engine = engine
+        self.model_name = self.args.served_name()
+        self.tokenizer = load_tokenizer(resolve(self.args.target.model))
+        self.max_len = self.args.runtime.max_len
+        self.metrics = IngressMetrics()
+        global _metrics
+        _metrics = self.metrics
+        self.api_key = os.environ.get("SPECDEC_API_KEY") or self.args.api_key
+        # One thread: tokenizers are not safe to share across threads, and the point is
+        # only to keep the event loop free.
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, "tokenize")
+        self._openapi: dict | None = None
+        # Whether an engine replica has answered since this router started: until one
+        # does, every route but /openapi.json answers 503 saying what the service waits for.
+        self._engine_seen = False
+        try:
+            self.app_name = serve.get_replica_context().app_name
+        except Exception:  # noqa: BLE001 - outside a replica (tests of the class itself)
+            self.app_name = ""
+
+    def openapi_schema(self) -> dict:
+        """The API's schema, naming the models this server takes, so a client generator
+        (or a fuzzer) learns them instead of guessing."""
+        if self._openapi is None:
+            schema = get_openapi(title=api.title, version=api.version, routes=api.routes)
+            names = sorted({self.model_name, self.args.target.model})
+            for request in ("CompletionRequest", "ChatCompletionRequest"):
+                schema["components"]["schemas"][request]["properties"]["model"]["enum"] = names
+            self._openapi = schema
+        return self._openapi
+
+    # ---- request handling -----------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> bool:
+        """True when no key is configured or the request carries it (constant-time)."""
+        if not self.api_key:
+            return True
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode())
+
+    async def _check(self, request: Request, req) -> None:
+        self._check_key(request)
+        if req.model not in (self.model_name, self.args.target.model):
+            raise APIError(404, f"model {req.model!r} does not exist; this server serves "
+                                f"{self.model_name!r}", param="model", code="model_not_found")
+        await self._wait_for_engine()
+
+    def _check_key(self, request: Request) -> None:
+        if not self._authorize(request):
+            raise APIError(401, "missing or wrong API key: send Authorization: Bearer <key>",
+                           "authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    async def _wait_for_engine(self, timeout_s: float = 1.0) -> None:
+        """Raise 503 (Retry-After, what start-up is doing) until an engine replica serves.
+        An engine replica answers only once weights are loaded, warmed up and its costs
+        calibrated, so a request let through here is served at full speed at once."""
+        if self._engine_seen:
+            return
+        try:
+            await asyncio.wait_for(self.engine.ready.remote(), timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - not constructed yet, or being placed
+            raise APIError(503, f"not ready: {waiting_for(self.app_name)}; retry",
+                           "service_unavailable", code="engine_starting",
+                           headers={"Retry-After": RETRY_AFTER_S}) from None
+        if not self._engine_seen:
+            self._engine_seen = True
+            log.info("an engine replica serves: the service is ready to take requests")
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    def _prepare(self, req, prompt_ids: list[int], prompt_param: str) -> GenerateCall:
+        if not prompt_ids:
+            raise APIError(400, f"{prompt_param} is empty after tokenization", param=prompt_param)
+        max_tokens = req.max_new_tokens(self.args.default_max_tokens)
+        if len(prompt_ids) >= self.max_len:
+            raise APIError(400, f"{prompt_param} has {len(prompt_ids)} tokens; the context limit "
+                                f"is {self.max_len}", param=prompt_param,
+                           code="context_length_exceeded")
+        if len(prompt_ids) + max_tokens > self.max_len:
+            explicit = req.max_tokens or req.max_completion_tokens
+            if explicit:
+                raise APIError(400, f"max_tokens ({max_tokens}) + prompt ({len(prompt_ids)} "
+                                    f"tokens) exceeds the context limit of {self.max_len}",
+                               param="max_tokens", code="context_length_exceeded")
+            max_tokens = self.max_len - len(prompt_ids)  # default shrinks to what fits
+        spec = req.speculative
+        try:
+            params = SamplingParams(temperature=req.temperature, top_p=req.top_p,
+                                    top_k=req.top_k, seed=req.seed, max_tokens=max_tokens,
+                                    stop=tuple(req.stop or ()), ignore_eos=req.ignore_eos)
+        except ValueError as exc:  # the schema's bounds come first; this is the last guard
+            raise APIError(400, str(exc)) from exc
+        return GenerateCall(uuid.uuid4().hex, prompt_ids, params,
+                            Overrides(spec.mode, spec.method, spec.k), bool(req.stream))
+
+    @staticmethod
+    def _spec_report(decision: dict, final: Tokens | None) -> dict:
+        s = (final.spec if final else None) or {}
+        return {"mode": decision["mode"], "method": decision["method"], "k": decision["k"],
+                "engine_s": final.engine_s if final else None,
+                "k_last_round": final.k if final else None, "reason": decision["reason"],
+                "standby": decision.get("standby"),
+                "inputs": decision["inputs"],
+                "expected_speedup": round(decision["expected_speedup"], 3),
+                **{key: s.get(key) for key in ("rounds", "drafted", "accepted",
+                                               "mean_acceptance_length",
+                                               "draft_acceptance_ratio", "alpha_estimate",
+                                               "per_position_acceptance", "plain_steps")}}
+
+    async def _respond(self, req, call: GenerateCall, chat: bool):
+        """The OpenAI response for completions or chat, streamed (SSE) or whole. The
+        engine's first answer (its decision, or a refusal) comes before any header, so a
+        refused request gets its status code even when it asked for a stream."""
+        gen, decision = await self._open(call)
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{call.request_id}",
+                "created": int(time.time()), "model": self.model_name}
+        if req.stream:
+            obj = "chat.completion.chunk" if chat else "text_completion"
+
+            def chunk(c, usage_only=False):
+                body = {**head, "object": obj, "choices": []}
+                if usage_only:
+                    body["usage"] = _usage(c)
+                    body["spec_decode"] = self._spec_report(decision, c)
+                elif chat:
+                    delta = {"content": c.text} if c.text else {}
+                    body["choices"] = [{"index": 0, "delta": delta,
+                                        "finish_reason": c.finish_reason}]
+                else:
+                    body["choices"] = [{"index": 0, "text": c.text, "logprobs": None,
+                                        "finish_reason": c.finish_reason}]
+                return body
+
+            # Chat streams open with the assistant's role, as OpenAI's do.
+            first = {**head, "object": obj, "choices": [{
+                "index": 0, "delta": {"role": "assistant", "content": ""},
+                "finish_reason": None}]} if chat else None
+            inc = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._sse(gen, chunk, first, inc),
+                                     media_type="text/event-stream")
+        text, final = await self._collect(gen)
+        reason = final.finish_reason if final else None
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "finish_reason": reason} if chat else \
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return {**head, "object": "chat.completion" if chat else "text_completion",
+                "choices": [choice], "usage": _usage(final),
+                "spec_decode": self._spec_report(decision, final)}
+
+    async def _open(self, call: GenerateCall):
+        """Start the request on an engine replica and read its decision (or refusal)."""
+        gen = self.engine.options(stream=True).generate.remote(call)
+        try:
+            first = await gen.__anext__()
+        except Exception as exc:  # the replica died or Serve could not reach one
+            gen.cancel()
+            raise APIError(503, f"no engine available: {type(exc).__name__}",
+                           "service_unavailable", code="engine_unavailable",
+                           headers={"Retry-After": RETRY_AFTER_S}) from exc
+        try:
+            self._raise_for(first)
+        except APIError:
+            gen.cancel()
+            raise
+        self.metrics.decided(first.decision)
+        return gen, first.decision
+
+    @staticmethod
+    def _raise_for(chunk: Decided | Refused | Tokens) -> None:
+        if isinstance(chunk, Refused):
+            raise _api_error(chunk.kind, chunk.message, chunk.param)
+        if isinstance(chunk, Tokens) and chunk.finish_reason == "error":
+            raise _api_error(chunk.error_kind or ErrorKind.TARGET_LOST, chunk.error or "")
+
+    async def _collect(self, gen) -> tuple[str, Tokens | None]:
+        text, final = [], None
+        try:
+            async for chunk in gen:
+                self._raise_for(chunk)
+                text.append(chunk.text)
+                final = chunk
+        except APIError:
+            raise
+        except Exception as exc:  # the replica died or Serve could not reach one
+            raise APIError(503, f"no engine available: {type(exc).__name__}",
+                           "service_unavailable", code="engine_unavailable",
+                           headers={"Retry-After": RETRY_AFTER_S}) from exc
+        return "".join(text), final
+
+    async def _sse(self, gen, make_chunk, first_chunk, include_usage: bool):
+        finished = False
+        try:
+            if first_chunk is not None:
+                yield f"data: {json.dumps(first_chunk)}\n\n"
+            final: Tokens | None = None
+            async for chunk in gen:
+                try:
+                    self._raise_for(chunk)
+                except APIError as exc:
+                    finished = True
+                    yield f"data: {json.dumps(_err(exc))}\n\n"
+                    break
+                final = chunk
+                if chunk.text or chunk.finished:
+                    yield f"data: {json.dumps(make_chunk(chunk))}\n\n"
+                finished = chunk.finished
+            if final is not None and final.finished and include_usage:
+                yield f"data: {json.dumps(make_chunk(final, usage_only=True))}\n\n"
+            yield "data: [DONE]\n\n"
+        except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
+            finished = True
+            err = APIError(503, f"no engine available: {type(exc).__name__}",
+                           "service_unavailable", code="engine_unavailable")
+            yield f"data: {json.dumps(_err(err))}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away: free the engine's slot
+                gen.cancel()
+
+
+def _err(exc: APIError) -> dict:
+    """An error reported inside a stream (the status line is already sent)."""
+    _count(exc.status, exc.code)
+    return exc.body()
+
+
+def _usage(final: Tokens | None) -> dict:
+    p, c = (final.prompt_tokens, final.completion_tokens) if final else (0, 0)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+# What the client is told for each way a request can fail inside the engine: status, type,
+# code, and whether to retry (Retry-After).
+_STATUS = {
+    ErrorKind.INVALID: (400, "invalid_request_error", None, False),
+    ErrorKind.CAPACITY: (503, "overloaded_error", "overloaded", True),
+    ErrorKind.TARGET_DOWN: (503, "service_unavailable", "engine_unavailable", True),
+    ErrorKind.TARGET_LOST: (503, "service_unavailable", "engine_unavailable", True),
+    ErrorKind.INTERNAL: (500, "server_error", "engine_error", False),
+}
+_PREFIX = {ErrorKind.TARGET_LOST: "the engine lost its target mid-request: ",
+           ErrorKind.INTERNAL: "the engine failed on this request's step: "}
+
+
+def _api_error(kind: ErrorKind, message: str, param: str | None = None) -> APIError:
+    status, kind_type, code, retry = _STATUS[kind]
+    return APIError(status, _PREFIX.get(kind, "") + message, kind_type, param=param, code=code,
+                    headers={"Retry-After": RETRY_AFTER_S} if retry else None)
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress(api)
+class Ingress(IngressServer):
+    @api.get("/health")
+    async def health(self, request: Request):
+        """ok / not ok for anyone; the engine's details only with the API key (if one is
+        configured). 503 while the engine starts (saying what it waits for) or when no
+        engine replica answers."""
+        try:
+            await self._wait_for_engine()
+        except APIError as exc:
+            return JSONResponse(status_code=503, headers={"Retry-After": RETRY_AFTER_S},
+                                content={"status": "starting", "reason": exc.message})
+        try:
+            load = await asyncio.wait_for(self.engine.load.remote(), timeout=5)
+        except Exception as exc:  # noqa: BLE001
+            return JSONResponse(status_code=503, headers={"Retry-After": RETRY_AFTER_S},
+                                content={"status": "unavailable",
+                                         "reason": f"engine unavailable: {type(exc).__name__}"})
+        if load.get("target_down"):
+            return JSONResponse(status_code=503, headers={"Retry-After": RETRY_AFTER_S},
+                                content={"status": "unavailable",
+                                         "reason": load["target_down"]})
+        if not self._authorize(request):
+            return {"status": "ok"}
+        return {"status": "ok", "model": self.model_name, "engine": load}
+
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi(self) -> dict:
+        return self.openapi_schema()
+
+    @api.get("/v1/models", responses=_ERRORS)
+    async def models(self, request: Request) -> dict:
+        self._check_key(request)
+        await self._wait_for_engine()
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": 0, "owned_by": "specdec-serve",
+            "max_model_len": self.max_len}]}
+
+    @api.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(self, body: CompletionRequest, request: Request):
+        await self._check(request, body)
+        if isinstance(body.prompt, str):
+            ids = (await self._off_loop(self.tokenizer, body.prompt)).input_ids
+        else:
+            ids = list(body.prompt)
+            vocab = len(self.tokenizer)
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"prompt holds token ids outside the vocabulary "
+                                    f"(0..{vocab - 1}): {bad[:5]}", param="prompt")
+        return await self._respond(body, self._prepare(body, ids, "prompt"), chat=False)
+
+    @api.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses=_ERRORS)
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        await self._check(request, body)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+
+        def template():
+            return chat_ids(self.tokenizer, messages)
+
+        try:
+            ids = await self._off_loop(template)
+        except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
+            raise APIError(400, f"messages could not be formatted: {exc}",
+                           param="messages") from exc
+        return await self._respond(body, self._prepare(body, list(ids), "messages"), chat=True)

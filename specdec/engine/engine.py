@@ -1,0 +1,289 @@
+"""The engine: continuous batching of plain and speculative requests over one target.
+
+Each step: admit waiting requests into free KV slots; ask the proposers for this round's
+guesses (one batched call per proposer); run ONE target forward over the ragged batch
+(decode rows 1 token, speculative rows 1 + k, prefill chunks with what budget is left);
+apply stop rules to what the rejection sampler kept; stream it; tell the proposers how much
+was kept. Requests join and leave between steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from specdec.engine.output import apply_result, make_output
+from specdec.engine.planner import Plan, plan_step
+from specdec.engine.request import Request, RequestOutput
+from specdec.engine.scheduler import Scheduler
+from specdec.engine.state import EngineConfig, KChooser, Seq, StepRecord, load_report
+from specdec.engine.stop import Detokenizer
+from specdec.errors import EngineError, ErrorKind, TargetLost
+from specdec.spec_decode.counters import SpecCounters
+from specdec.spec_decode.overlap import OverlapChooser, settle, use_overlap
+from specdec.spec_decode.proposal import Proposal, Proposer
+from specdec.spec_decode.target_runner import TargetResult, TargetRunner
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """The step loop over a scheduler (queue and slots), a planner (k, guesses, the ragged
+    batch), the target and the output rules; the policy and the metrics watch it through
+    hooks (choose_k, on_step, on_finished, on_mode)."""
+
+    def __init__(self, target: TargetRunner, proposers: dict[str, Proposer] | None = None,
+                 tokenizer=None, eos_ids: Iterable[int] = (),
+                 config: EngineConfig | None = None, choose_k: KChooser | None = None,
+                 overlap: str = "off") -> None:
+        if overlap not in ("off", "on", "auto"):
+            raise ValueError("overlap must be off, on or auto")
+        self.target = target
+        self.proposers = dict(proposers or {})
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset(eos_ids)
+        self.config = config or EngineConfig()
+        # The policy hook: revisit k between rounds (default: the request's own k).
+        self.choose_k = choose_k
+        self.scheduler = Scheduler(target.max_slots, self.config.max_waiting)
+        self._running = self.scheduler.running  # the running sequences, by request id
+        self.totals: dict[str, SpecCounters] = collections.defaultdict(SpecCounters)
+        self.history: collections.deque[StepRecord] = collections.deque(maxlen=256)
+        self.steps = 0
+        # Drafting overlapped with verification (specdec/spec_decode/overlap.py): off, on, or auto
+        # (measured both ways, the faster kept).
+        self.overlap = overlap
+        self.overlap_chooser = OverlapChooser() if overlap == "auto" else None
+        # Called when a step's mode differs from the last one's (auto: the caller's thread
+        # plan differs between sequential and overlapped steps).
+        self.on_mode: Callable[[bool], None] | None = None
+        self._last_mode: bool | None = None
+        # Observers of every completed step and every finished request (the policy learns
+        # its costs and acceptance from them, in one process and served alike).
+        self.on_step: list[Callable[[StepRecord], None]] = []
+        self.on_finished: list[Callable[[RequestOutput], None]] = []
+
+    # ---- submission (thread-safe) -------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        n, m, limit = len(req.prompt_ids), req.params.max_tokens, self.target.max_len
+        if n == 0:
+            raise EngineError("prompt is empty")
+        if n + m > limit:  # the request's own fault: 400, not a capacity problem
+            raise EngineError(
+                f"prompt ({n} tokens) + max_tokens ({m}) exceeds the context limit of {limit} "
+                "tokens", param="max_tokens")
+        if req.method != "none" and req.k > 0 and req.method not in self.proposers:
+            raise EngineError(f"speculation method {req.method!r} is not available; "
+                              f"available: {sorted(self.proposers) or 'none'}")
+        self.scheduler.enqueue(req)
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def load(self) -> dict:
+        waiting, pinned_waiting = self.scheduler.waiting_counts()
+        return load_report(waiting, pinned_waiting, list(self._running.values()),
+                           len(self.scheduler.free_slots), list(self.history)[-16:])
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One step. Whatever goes wrong inside fails the requests it held, with the reason,
+        and leaves the engine clean for the next step: never a half-changed state to retry
+        on, never a request left waiting for a step that will not come."""
+        outputs = [self._finish(seq, "abort") for seq in self.scheduler.take_aborts()]
+        self.scheduler.admit(self._start)
+        if not self._running:
+            return self._observed(outputs, None)
+        last = self.history[-1] if self.history else None
+        try:
+            self._step(outputs)
+        except TargetLost as exc:
+            log.error("target failed: %s", exc)
+            self._fail_all(outputs, f"target failed: {exc}", ErrorKind.TARGET_LOST)
+        except Exception as exc:  # a bug: fail this step's requests, keep serving
+            log.exception("engine step failed")
+            self._fail_all(outputs, f"internal error in the engine step "
+                                    f"({type(exc).__name__}: {exc})", ErrorKind.INTERNAL)
+        rec = self.history[-1] if self.history else None
+        return self._observed(outputs, rec if rec is not last else None)
+
+    def _observed(self, outputs: list[RequestOutput], rec: StepRecord | None
+                  ) -> list[RequestOutput]:
+        """Tell the observers (outside the step's error handling: an observer's bug must
+        not fail the requests of a step that went well)."""
+        try:
+            if rec is not None:
+                for observe in self.on_step:
+                    observe(rec)
+            for out in outputs:
+                if out.finished:
+                    for observe in self.on_finished:
+                        observe(out)
+        except Exception:  # noqa: BLE001 - observers learn; serving goes on without them
+            log.exception("a step observer failed")
+        return outputs
+
+    def _fail_all(self, outputs: list[RequestOutput], error: str, kind: ErrorKind) -> None:
+        for seq in list(self._running.values()):
+            try:
+                outputs.append(self._finish(seq, "error", error=error, kind=kind))
+            except Exception:  # noqa: BLE001 - its slot is freed all the same
+                log.exception("failing request %s", seq.req.request_id)
+                self.scheduler.release(seq)
+
+    def _use_overlap(self) -> bool:
+        return use_overlap(self.overlap, self.overlap_chooser, self.proposers.get("draft"),
+                           self.target)
+
+    def _step(self, outputs: list[RequestOutput]) -> None:
+        t_start = time.perf_counter()
+        rec = StepRecord(0, 0, 0.0, 0.0)
+        rec.overlapped = self._use_overlap()
+        if rec.overlapped != self._last_mode and self.on_mode is not None:
+            self.on_mode(rec.overlapped)
+        self._last_mode = rec.overlapped
+        decode = [s for s in self._running.values() if s.cached >= s.prompt_len]
+        prefill = [s for s in self._running.values() if s.cached < s.prompt_len]
+        for seq in decode:
+            seq.k_now = self._k_for(seq, len(seq.tokens) - seq.cached)
+        plan = plan_step(decode, prefill, rec, self.proposers, self.target.max_len,
+                         self.config, self.totals)
+        results, window = self._verify(plan, rec)
+        resolved, heads, window_out = settle(self.proposers.get("draft"), self.target,
+                                              window, plan.windows, results, rec)
+        t2 = time.perf_counter()
+        self._record(plan, rec)
+        by_id = {r.seq_id: r for r in results}
+        for row in plan.rows:
+            seq = self._running[row.seq_id]
+            if not row.sample:
+                seq.cached += len(row.tokens)
+                continue
+            if plan.num_draft.get(row.seq_id, 0):
+                seq.spec.draft_s += rec.draft_s
+            seq.spec.verify_s += rec.verify_s
+            res = by_id[row.seq_id]
+            settled = self._settled(seq, res, resolved, heads, window_out)
+            rec.emitted += len(res.tokens) + (1 if settled else 0)
+            outputs.append(self._advance(seq, row, res, settled))
+        rec.end = time.perf_counter()
+        rec.post_s, rec.step_s = rec.end - t2, rec.end - t_start
+        self.history.append(rec)
+        if self.overlap_chooser is not None and (plan.windows or rec.draft_rows):
+            self.overlap_chooser.observe(rec.overlapped, rec.step_s, rec.emitted)
+
+    def _verify(self, plan: Plan, rec: StepRecord):
+        """The target's forward over the plan's rows, the draft's window (overlap) running
+        beside it; a failed forward never leaves the draft computing into the next step."""
+        t0 = time.perf_counter()
+        window = None
+        if plan.windows:  # the draft starts now and works while the target verifies
+            try:
+                window = self.proposers["draft"].start_window(plan.windows)
+            except Exception as exc:  # noqa: BLE001 - a lost draft: plain draws this step
+                log.warning("draft window failed to start: %s", exc)
+        try:
+            results = self.target.step(plan.rows)
+        except BaseException:
+            if window is not None:
+                window.stop()
+                try:
+                    window.result()
+                except Exception:  # noqa: BLE001 - the step's failure is what matters
+                    pass
+            raise
+        rec.verify_s = time.perf_counter() - t0
+        return results, window
+
+    def _record(self, plan: Plan, rec: StepRecord) -> None:
+        """What the step carried, for the policy's cost fits and the timeline."""
+        call = self.target.last_call
+        rec.target_compute_s = call.compute_s if call else rec.verify_s
+        rec.target_bytes = call.bytes if call else 0
+        rec.rows, rec.tokens = len(plan.rows), sum(len(r.tokens) for r in plan.rows)
+        rec.prefill_tokens = sum(len(r.tokens) for r in plan.rows
+                                 if r.seq_id not in plan.num_draft)
+        if not plan.windows:  # (overlap: settle recorded how far the draft got instead)
+            rec.max_k = max(plan.num_draft.values(), default=0)
+            drafted = [n for n in plan.num_draft.values() if n]
+            rec.mean_k = sum(drafted) / len(drafted) if drafted else 0.0
+        self.steps += 1
+
+    @staticmethod
+    def _settled(seq: Seq, res: TargetResult, resolved, heads, window_out):
+        """Overlap: the row's settled next token, whether the draft offered a head guess
+        and whether it was kept; the rest of the draft's window waits for the next step."""
+        if not res.deferred:
+            seq.ahead = None
+            return None
+        r = resolved[seq.req.request_id]
+        prop = window_out.get(seq.req.request_id)
+        seq.ahead = Proposal(prop.token_ids[1:],
+                             None if prop.q_ids is None else prop.q_ids[1:],
+                             None if prop.q_probs is None else prop.q_probs[1:]) \
+            if r.accepted and prop is not None and len(prop.token_ids) > 1 else None
+        return r.token, heads.get(seq.req.request_id) is not None, r.accepted
+
+    def _start(self, req: Request, slot: int) -> Seq:
+        seq = Seq(req, slot, list(req.prompt_ids), len(req.prompt_ids),
+                  admitted=time.monotonic())
+        if self.tokenizer is not None:
+            seq.detok = Detokenizer(self.tokenizer, req.params.stop)
+        self.target.start_sequence(req.request_id, req.params)
+        return seq
+
+    def _k_for(self, seq: Seq, pending: int) -> int:
+        req = seq.req
+        if req.method == "none" or req.method not in self.proposers:
+            return 0
+        if not self.proposers[req.method].available:
+            # Down (a draft being rebuilt): a plain round, which says nothing about how
+            # often its guesses are kept, so nothing is counted against it.
+            return 0
+        if self.choose_k is None or req.fixed_k:
+            k = req.k
+        else:
+            k = self.choose_k(self, req, seq.spec, len(self._running))
+        if req.speculate:  # asked for: a guess every round, whatever the costs say
+            k = max(k, 1)
+        remaining = req.params.max_tokens - seq.generated
+        room = self.target.max_len - seq.cached - pending
+        return max(0, min(k, remaining - 1, room))
+
+    def _advance(self, seq: Seq, row, res: TargetResult,
+                 settled: tuple[int, bool, bool] | None = None) -> RequestOutput:
+        new, reason = apply_result(seq, row, res, self.proposers.get(seq.req.method),
+                                   self.totals, self.eos_ids, settled)
+        if reason is not None:
+            return self._finish(seq, reason, new)
+        return make_output(seq, new, finished=False, reason=None)
+
+    def _finish(self, seq: Seq, reason, new: list[int] | None = None,
+                error: str | None = None, kind: ErrorKind | None = None) -> RequestOutput:
+        rid = seq.req.request_id
+        self.scheduler.release(seq)
+        self.target.end_sequence(rid)
+        for p in self.proposers.values():
+            p.release(rid)
+        return make_output(seq, new or [], finished=True, reason=reason, error=error,
+                           kind=kind)
+
+    # ---- convenience ----------------------------------------------------------------------
+
+    def run(self, requests: list[Request]) -> dict[str, RequestOutput]:
+        """Submit requests, step until all finish, return each one's final output."""
+        for r in requests:
+            self.add_request(r)
+        final: dict[str, RequestOutput] = {}
+        while self.has_work():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return final

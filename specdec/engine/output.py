@@ -1,0 +1,79 @@
+"""A row's result applied to its sequence: what the rejection sampler kept, counted, cut at
+EOS, max_tokens or a stop string, and turned into the request's next output."""
+
+from __future__ import annotations
+
+import time
+
+from specdec.engine.request import RequestOutput
+from specdec.engine.state import Seq
+from specdec.errors import ErrorKind
+from specdec.spec_decode.counters import SpecCounters
+from specdec.spec_decode.proposal import Proposer
+from specdec.spec_decode.target_runner import TargetResult, TargetRow
+
+
+def apply_result(seq: Seq, row: TargetRow, res: TargetResult, proposer: Proposer | None,
+                 totals: dict[str, SpecCounters], eos_ids: frozenset[int],
+                 settled: tuple[int, bool, bool] | None = None
+                 ) -> tuple[list[int], str | None]:
+    """The tokens this row emits and why the request finishes (None: it goes on).
+    settled (overlap): the deferred token, whether the draft offered a head guess for it,
+    and whether that guess was kept; the head counts as the round's last guess."""
+    req = seq.req
+    # The target's cache now holds the row's pending tokens and its kept guesses.
+    seq.cached = row.start + len(row.tokens) - row.num_draft + res.num_accepted
+    new = list(res.tokens)
+    drafted, kept = row.num_draft, res.num_accepted
+    if settled is not None:
+        token, offered, accepted = settled
+        new.append(token)
+        drafted += int(offered)
+        kept += int(accepted)
+    elif proposer is not None and row.num_draft:
+        proposer.accepted(req.request_id, seq.cached)
+    seq.spec.record_round(drafted, kept, len(new))
+    totals[req.method if drafted else "none"].record_round(drafted, kept, len(new))
+    new, reason = _cut(seq, new, eos_ids)
+    seq.tokens.extend(new)
+    if new and seq.first_token is None:
+        seq.first_token = time.monotonic()
+    return new, reason
+
+
+def _cut(seq: Seq, new: list[int], eos_ids: frozenset[int]) -> tuple[list[int], str | None]:
+    """The kept tokens up to EOS, max_tokens (a round can overshoot it) or a stop string."""
+    params = seq.req.params
+    reason = None
+    eos_at = next((j for j, t in enumerate(new) if t in eos_ids and not params.ignore_eos),
+                  None)
+    if eos_at is not None:
+        new, reason = new[: eos_at + 1], "stop"
+    remaining = params.max_tokens - seq.generated
+    if len(new) > remaining:
+        new, reason = new[:remaining], "length"
+    elif len(new) == remaining and reason is None:
+        reason = "length"
+    if seq.detok is not None:
+        keep = seq.detok.add(new)
+        if keep is not None:
+            new, reason = new[:keep], "stop"
+    return new, reason
+
+
+def make_output(seq: Seq, new: list[int], finished: bool, reason: str | None,
+                error: str | None = None, kind: ErrorKind | None = None) -> RequestOutput:
+    """The request's output after this step, handed to its on_output callback too."""
+    text = seq.detok.text if seq.detok else ""
+    delta = seq.detok.delta(final=finished) if seq.detok else ""
+    out = RequestOutput(seq.req.request_id, new, delta, seq.tokens[seq.prompt_len:], text,
+                        finished, reason, seq.prompt_len, seq.spec, error, seq.k_now,
+                        seq.req.method, kind)
+    if finished and seq.req.arrival:
+        now = time.monotonic()
+        out.queue_s = seq.admitted - seq.req.arrival
+        out.ttft_s = seq.first_token - seq.req.arrival if seq.first_token else None
+        out.e2e_s = now - seq.req.arrival
+    if seq.req.on_output is not None:
+        seq.req.on_output(out)
+    return out

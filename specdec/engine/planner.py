@@ -1,0 +1,154 @@
+"""One step's plan: how many guesses each decoding row gets this round, the proposers'
+guesses (one batched call per proposer), and the target's ragged batch: decode rows bring
+their pending token and their guesses, prefill rows a chunk of what budget remains.
+
+Under overlap (specdec/spec_decode/overlap.py) a row verifies the guesses the draft made
+during the previous step, and the draft goes on from their end during this one (its
+`windows`)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+
+from specdec.engine.state import EngineConfig, Seq, StepRecord
+from specdec.spec_decode.counters import SpecCounters
+from specdec.spec_decode.proposal import Proposal, ProposeInput, Proposer
+from specdec.spec_decode.target_runner import TargetRow
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Plan:
+    rows: list[TargetRow]
+    num_draft: dict[str, int]      # guesses verified per decode row
+    windows: list[ProposeInput]    # what the draft drafts during the target's step
+
+
+@dataclasses.dataclass
+class _Asks:
+    by_method: dict[str, list[ProposeInput]]
+    windows: list[ProposeInput]
+    ahead: dict[str, list[int]]    # overlap: the row's guesses drafted during the last step
+
+
+def plan_step(decode: list[Seq], prefill: list[Seq], rec: StepRecord,
+              proposers: dict[str, Proposer], max_len: int, config: EngineConfig,
+              totals: dict[str, SpecCounters]) -> Plan:
+    """The step's rows. Each decode row's k_now is already chosen. Fills the planning and
+    drafting parts of rec."""
+    t_plan = time.perf_counter()
+    asks = _asks(decode, rec, max_len)
+    t0 = time.perf_counter()
+    rec.plan_s = t0 - t_plan
+    proposals, failed = _propose(asks.by_method, proposers, rec)
+    rec.draft_s = time.perf_counter() - t0
+    rows, num_draft = _decode_rows(decode, asks.ahead, proposals, failed, totals)
+    rows += _prefill_rows(prefill, config, sum(len(r.tokens) for r in rows))
+    return Plan(rows, num_draft, asks.windows)
+
+
+def _asks(decode: list[Seq], rec: StepRecord, max_len: int) -> _Asks:
+    """What each proposer is asked this step, and what the draft drafts meanwhile."""
+    out = _Asks(collections.defaultdict(list), [], {})
+    for seq in decode:
+        rid, method = seq.req.request_id, seq.req.method
+        if seq.k_now and method == "draft":
+            rec.draft_catchup = max(rec.draft_catchup, len(seq.tokens) - seq.draft_seen)
+            seq.draft_seen = len(seq.tokens)
+        if rec.overlapped and method == "draft" and seq.k_now:
+            # This step verifies the guesses drafted during the last one; the draft goes on
+            # from their end, as if they will all be kept.
+            ahead = seq.ahead.token_ids[: seq.k_now] if seq.ahead else []
+            context = seq.tokens + ahead
+            # The draft's cache holds context + (guesses - 1) positions: stay in it.
+            window_k = min(seq.k_now, max_len - len(context) + 1)
+            if window_k > 0:
+                out.ahead[rid] = ahead
+                out.windows.append(ProposeInput(rid, context, window_k, seq.req.params))
+                continue
+        seq.ahead = None
+        if seq.k_now:
+            out.by_method[method].append(ProposeInput(rid, seq.tokens, seq.k_now,
+                                                      seq.req.params))
+    return out
+
+
+def _propose(asks: dict[str, list[ProposeInput]], proposers: dict[str, Proposer],
+             rec: StepRecord) -> tuple[dict[str, Proposal], set[str]]:
+    """Each proposer's guesses, one batched call each; the methods that failed outright."""
+    proposals: dict[str, Proposal] = {}
+    failed: set[str] = set()
+    for method, inputs in asks.items():
+        t = time.perf_counter()
+        proposer = proposers[method]
+        try:
+            got = proposer.propose(inputs)
+        except Exception:  # a failed proposer costs speed, never a request
+            log.exception("proposer %s failed; decoding plainly this round", method)
+            got = []
+            failed.add(method)
+        proposals.update({i.seq_id: p for i, p in zip(inputs, got, strict=False)})
+        spent = time.perf_counter() - t
+        call = proposer.last_call
+        rec.draft_compute_s += call.compute_s if call else spent
+        rec.draft_bytes += call.bytes if call else 0
+        if method == "draft" and got:
+            rec.draft_rows, rec.draft_k = len(inputs), max(i.k for i in inputs)
+            rec.draft_model_s = spent
+    return proposals, failed
+
+
+def _q(prop: Proposal | None, n: int):
+    """The first n guesses' q, or None (one-hot: greedy drafts, n-gram, no guesses)."""
+    if prop is None or prop.q_probs is None or not n:
+        return None
+    return prop.q_ids[:n], prop.q_probs[:n]
+
+
+def _decode_rows(decode: list[Seq], ahead: dict[str, list[int]],
+                 proposals: dict[str, Proposal], failed: set[str],
+                 totals: dict[str, SpecCounters]) -> tuple[list[TargetRow], dict[str, int]]:
+    rows: list[TargetRow] = []
+    num_draft: dict[str, int] = {}
+    for seq in decode:
+        rid = seq.req.request_id
+        pending = seq.tokens[seq.cached:]
+        if rid in ahead:  # overlap: verify last step's guesses, defer the last position
+            guesses = ahead[rid]
+            num_draft[rid] = len(guesses)
+            rows.append(TargetRow(rid, seq.slot, seq.cached, pending + guesses, len(guesses),
+                                  _q(seq.ahead, len(guesses)), True, defer_last=True))
+            continue
+        prop = proposals.get(rid)
+        guesses = prop.token_ids[: seq.k_now] if prop else []
+        num_draft[rid] = len(guesses)
+        if seq.k_now and not guesses and seq.req.method not in failed:
+            # Asked for guesses, got none (no n-gram match): for the policy this
+            # opportunity failed like a rejection at the first position. A proposer that
+            # failed outright is an outage, not evidence about its guesses.
+            seq.spec.empty_proposals += 1
+            totals[seq.req.method].empty_proposals += 1
+        rows.append(TargetRow(rid, seq.slot, seq.cached, pending + guesses, len(guesses),
+                              _q(prop, len(guesses)), True))
+    return rows, num_draft
+
+
+def _prefill_rows(prefill: list[Seq], config: EngineConfig, used: int) -> list[TargetRow]:
+    """Chunks of the prompts still being prefilled, in what the token budget leaves (at
+    least min_prefill_chunk, so a prefill advances even under a full decode batch)."""
+    budget = max(config.max_tokens_per_step - used, config.min_prefill_chunk)
+    rows = []
+    for seq in prefill:
+        if budget <= 0:
+            break
+        chunk = seq.tokens[seq.cached: min(seq.prompt_len, seq.cached + budget)]
+        budget -= len(chunk)
+        done = seq.cached + len(chunk) == seq.prompt_len
+        rows.append(TargetRow(seq.req.request_id, seq.slot, seq.cached, chunk, 0, None, done))
+        if done:
+            seq.k_now = 0
+    return rows

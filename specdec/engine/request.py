@@ -1,0 +1,53 @@
+"""What a caller hands the engine and what it gets back."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Literal
+
+from specdec.errors import ErrorKind
+from specdec.model.sampling import SamplingParams
+from specdec.spec_decode.counters import SpecCounters
+
+Method = Literal["draft", "ngram", "none"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    method: Method = "none"
+    k: int = 0                       # draft tokens per round; 0 = plain decoding
+    on_output: Callable[[RequestOutput], None] | None = None
+    fixed_k: bool = False            # the caller pinned k: the policy must not revisit it
+    # The caller asked for speculation (mode "on"): every round drafts at least one guess
+    # while its proposer is up, whatever the policy's costs say.
+    speculate: bool = False
+    arrival: float = 0.0             # time.monotonic() when the engine took it (set there)
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    spec: SpecCounters
+    error: str | None = None
+    k: int = 0                       # the k used for the latest round
+    method: Method = "none"
+    # Why an errored request failed: TARGET_LOST (the target group went away: retry) or
+    # INTERNAL (the step failed unexpectedly: a bug to report).
+    error_kind: ErrorKind | None = None
+    # On the final output: seconds queued before a slot, to the first token, end to end.
+    queue_s: float | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+

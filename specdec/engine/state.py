@@ -1,0 +1,124 @@
+"""What the engine keeps per step and per running sequence, and its limits: the types the
+step loop (specdec/engine/engine.py), the policy and the metrics share."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import statistics
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from specdec.engine.request import Request
+from specdec.engine.stop import Detokenizer
+from specdec.spec_decode.counters import SpecCounters
+from specdec.spec_decode.proposal import Proposal
+
+if TYPE_CHECKING:
+    from specdec.engine.engine import Engine
+
+
+# Defaults of the engine's limits, shared with EngineSpec (the validated config).
+MAX_TOKENS_PER_STEP = 512
+MAX_WAITING = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_tokens_per_step: int = MAX_TOKENS_PER_STEP  # prefill chunks fill what decode rows leave
+    min_prefill_chunk: int = 32      # so a prefill advances even under a full decode batch
+    max_waiting: int = MAX_WAITING   # queued requests beyond this are refused (overload)
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One step's timeline and what it carried: the policy fits its costs on it, metrics
+    export it, and `bench served` breaks a request's time down with it."""
+    rows: int               # rows in the target forward (decode, speculative, prefill)
+    tokens: int             # tokens through the target forward
+    draft_s: float          # all proposers, wall time seen by the engine
+    verify_s: float         # the target call, wall time seen by the engine
+    max_k: int = 0          # the longest draft of the step (draft forwards run in sequence)
+    # The draft model's own share: rows it drafted for, the largest k asked of it (its
+    # forwards run in sequence, rows batched), and its time. The policy fits its cost on it.
+    draft_rows: int = 0
+    draft_k: int = 0
+    draft_model_s: float = 0.0
+    prefill_tokens: int = 0
+    plan_s: float = 0.0     # policy and batch building before the draft call
+    post_s: float = 0.0     # rejection results applied: stops, detokenizing, streaming
+    step_s: float = 0.0     # the whole step
+    # Inside the other processes (equal to the wall times when they run in this one):
+    # the difference is the call itself (serialization, scheduling, transport).
+    draft_compute_s: float = 0.0
+    target_compute_s: float = 0.0
+    draft_bytes: int = 0    # bytes crossing to and from the draft (0 in-process)
+    target_bytes: int = 0
+    end: float = 0.0        # time.perf_counter() at the step's end
+    mean_k: float = 0.0     # guesses per drafting row this step (the k the policy chose)
+    overlapped: bool = False  # the draft worked during the target's step (overlap)
+    resolve_s: float = 0.0  # overlap: settling the deferred positions after both finished
+    emitted: int = 0        # tokens the step's decode rows emitted
+    # Most context tokens a drafted row's draft had to catch up on before guessing (a first
+    # round prefills the prompt): the policy prices rounds from steps without a catch-up.
+    draft_catchup: int = 0
+
+
+@dataclasses.dataclass
+class Seq:
+    req: Request
+    slot: int
+    tokens: list[int]
+    prompt_len: int
+    cached: int = 0                  # tokens in the target's KV cache
+    detok: Detokenizer | None = None
+    spec: SpecCounters = dataclasses.field(default_factory=SpecCounters)
+    k_now: int = 0
+    finished: bool = False
+    admitted: float = 0.0            # time.monotonic() when it got a slot
+    first_token: float | None = None
+    # Overlap: guesses the draft made during the last step, valid for the current context
+    # (their head was kept), to be verified in this step.
+    ahead: Proposal | None = None
+    # Context length at this row's last draft call: what the draft has to catch up on
+    # before its first guess (the whole prompt on a first round, a plain stretch after it).
+    draft_seen: int = 0
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+KChooser = Callable[["Engine", Request, SpecCounters, int], int]
+
+
+def pinned_plain(req: Request) -> bool:
+    """Plain for good: no method, or plain pinned by the caller (k fixed at 0)."""
+    return req.method == "none" or (req.fixed_k and req.k == 0)
+
+
+def load_report(waiting: int, pinned_waiting: int, running: list[Seq], free_slots: int,
+                recent: list[StepRecord]) -> dict:
+    """Engine.load(): what the policy, the metrics and /health read of the batch."""
+    n = max(len(recent), 1)
+    return {
+        "running": len(running), "waiting": waiting,
+        # Rows that decode plainly whatever the policy decides (the policy prices a
+        # speculative batch with them: they wait for every verify, draft nothing).
+        "pinned_running": sum(pinned_plain(s.req) for s in running),
+        "pinned_waiting": pinned_waiting,
+        # Rows that follow the policy's per-step decision, by method (the policy probes
+        # a step shape for them), and rows that asked for speculation whatever it costs.
+        "following": dict(collections.Counter(
+            s.req.method for s in running if not pinned_plain(s.req)
+            and not s.req.fixed_k)),
+        "speculating_on_request": sum(s.req.speculate for s in running),
+        "free_slots": free_slots,
+        "tokens_per_step": sum(r.tokens for r in recent) / n,
+        # The typical step's prefill (median over the last 16 steps, idle ones as 0;
+        # usually 0): one long prompt must not make every decode step look like a
+        # prefill step to the policy.
+        "prefill_tokens_per_step": statistics.median(
+            [r.prefill_tokens for r in recent] + [0] * (16 - len(recent))),
+        "step_s": sum(r.step_s for r in recent) / n,
+    }

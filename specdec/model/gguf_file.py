@@ -1,0 +1,180 @@
+"""A GGUF file as a checkpoint: the decoder's shape from its metadata, its tensors under the
+Hugging Face names the loader asks for, dequantized one tensor at a time.
+
+The file is memory-mapped, so a tensor costs its quantized bytes until it is asked for and
+its float32 copy only until the weight format has stored it (see specdec.model.decoder): a 1.5B
+Q4_K_M file loads without the whole model ever existing in fp16 or fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdec.model.architectures import SUPPORTED_ARCHITECTURES, UnsupportedModel
+from specdec.model.gguf_quants import dequantize, type_name
+
+# Hugging Face name (after "model.layers.{i}.") -> GGUF name (after "blk.{i}.").
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
+                 "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+?)(\.weight|\.bias)?$")
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name]
+    m = _LAYER.match(hf_name)
+    if m:
+        layer, rest, suffix = m.group(1), m.group(2), m.group(3) or ""
+        key = rest + suffix if rest + suffix in _LAYER_NAMES else rest
+        if key in _LAYER_NAMES:
+            mapped = _LAYER_NAMES[key]
+            return f"blk.{layer}.{mapped}" + ("" if key == rest + suffix else suffix)
+    raise KeyError(f"no GGUF name for tensor {hf_name!r}")
+
+
+def is_gguf(path: str | Path) -> bool:
+    return Path(path).suffix.lower() == ".gguf" and Path(path).is_file()
+
+
+def gguf_in(path: str | Path) -> Path | None:
+    """The GGUF a reference loads from: the file itself, or the single .gguf of a directory
+    with no safetensors (the offline pack's layout)."""
+    path = Path(path)
+    if is_gguf(path):
+        return path
+    if path.is_dir() and not any(path.glob("*.safetensors")):
+        files = sorted(path.glob("*.gguf"))
+        if len(files) == 1:
+            return files[0]
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _reader(path: str):
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def metadata(path: str | Path, key: str, default=None):
+    """One metadata value of a GGUF file (e.g. "tokenizer.chat_template")."""
+    return _field(_reader(str(path)), key, default)
+
+
+def config_dict(path: str | Path) -> dict:
+    """The metadata as a Hugging Face config.json dict (what DecoderConfig reads)."""
+    r = _reader(str(path))
+    arch = _field(r, "general.architecture", "?")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModel(
+            f"{Path(path).name}: GGUF architecture {arch!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    scaling = _field(r, f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise UnsupportedModel(f"{Path(path).name}: rope scaling {scaling!r} is not "
+                               "supported (only none)")
+    names = {t.name for t in r.tensors}
+    heads = int(_field(r, f"{arch}.attention.head_count"))
+    hidden = int(_field(r, f"{arch}.embedding_length"))
+    tokens = r.fields.get("tokenizer.ggml.tokens")
+    embd = next(t for t in r.tensors if t.name == "token_embd.weight")
+    cfg = {
+        "model_type": arch,
+        "vocab_size": int(embd.shape[1]) if tokens is None else len(tokens.data),
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(r, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(r, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(r, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(r, f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(_field(r, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_field(r, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(r, f"{arch}.context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names and arch != "qwen2",
+        "bos_token_id": _field(r, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(r, "tokenizer.ggml.eos_token_id"),
+    }
+    window = _field(r, f"{arch}.attention.sliding_window")
+    if window:
+        cfg["sliding_window"] = int(window)
+        cfg["use_sliding_window"] = True
+    return cfg
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter reorders each Llama/Mistral q and k head from rotate-half to
+    interleaved rotary pairs; undo it (what transformers' GGUF loader does too)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class GGUFCheckpoint:
+    """The same interface as specdec.model.weights.CheckpointReader, over one GGUF file."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._r = _reader(str(self.path))
+        self._tensors = {t.name: t for t in self._r.tensors}
+        cfg = config_dict(self.path)
+        self._permute = {}
+        if cfg["model_type"] in ("llama", "mistral"):
+            self._permute = {"attn_q": cfg["num_attention_heads"],
+                             "attn_k": cfg["num_key_value_heads"]}
+
+    def has(self, name: str) -> bool:
+        try:
+            return gguf_name(name) in self._tensors
+        except KeyError:
+            return False
+
+    def nbytes(self, name: str) -> int:
+        return int(self._tensors[gguf_name(name)].n_bytes)
+
+    def quant_type(self, name: str) -> str:
+        return type_name(int(self._tensors[gguf_name(name)].tensor_type))
+
+    def get(self, name: str, rows: range | None = None, cols: range | None = None,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+        key = gguf_name(name)
+        t = self._tensors.get(key)
+        if t is None:
+            raise KeyError(f"{self.path.name} has no tensor {key!r} (for {name!r})")
+        shape = tuple(int(x) for x in reversed(t.shape))
+        raw = np.asarray(t.data).view(np.uint8).reshape(shape[0] if len(shape) > 1 else 1, -1)
+        heads = self._permute.get(key.split(".")[-2])
+        if rows is not None and heads is None and len(shape) > 1:
+            # Blocks run along a row, so a row slice only dequantizes the rows it keeps.
+            raw, shape = raw[rows.start:rows.stop], (len(rows), *shape[1:])
+            rows = None
+        with warnings.catch_warnings():  # a read-only memory map: dequantize never writes
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(np.ascontiguousarray(raw))
+        w = dequantize(data, int(t.tensor_type), shape, key)
+        if heads is not None:
+            w = _unpermute(w, heads)
+        if rows is not None:
+            w = w[rows.start:rows.stop]
+        if cols is not None:
+            w = w[:, cols.start:cols.stop]
+        return w.to(dtype) if dtype is not None else w

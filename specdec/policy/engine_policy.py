@@ -1,0 +1,316 @@
+"""The policy as one engine runs it: decisions at admission from this engine's own live
+load, k revisited once per step, and every input measured on this engine.
+
+Why here and not in the HTTP router: with several engine replicas the router cannot know
+which replica a request lands on, so a decision from the router's view of "the" load is a
+decision on some other replica's load. The router passes what only it knows (the request's
+overrides, max_tokens, stop strings); the replica that will run the request decides.
+
+Measured inputs: the step cost (whole step minus drafting, per token count in the
+target's forward), the draft's round cost (d0 + k * (e0 + e1 * rows)), both anchored by the
+start-up calibration (specdec/engine/calibrate.py); acceptance per method (with its per-position
+curve) and completion lengths per prompt-length bucket, from served requests only.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import threading
+import time
+
+from specdec.errors import EngineError
+from specdec.policy.decide import (
+    AcceptanceTracker,
+    Decision,
+    LengthEstimator,
+    Load,
+    decide,
+    revisit,
+)
+from specdec.policy.measured_costs import DraftCostModel, StepCostModel
+from specdec.policy.settings import PolicySettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Overrides:
+    """What a request says about speculation (the API's `speculative` field)."""
+
+    mode: str = "auto"            # auto | on | off
+    method: str | None = None     # draft | ngram
+    k: int | None = None
+
+
+class EnginePolicy:
+    def __init__(self, settings: PolicySettings | None = None, clock=time.monotonic) -> None:
+        self.config = settings or PolicySettings()
+        self.acceptance = AcceptanceTracker(self.config)
+        self.lengths = LengthEstimator(self.config)
+        self.clock = clock
+        self.step_cost = StepCostModel(clock)
+        self.draft_round_cost = DraftCostModel(clock)
+        # A draft not yet run for real is corrected as far as the target's calibration was.
+        self.draft_round_cost.borrow = self.step_cost.calibration_error
+        # Probe steps (see _plan_probe): this step's, the last one's time, counts by shape.
+        self._probe: tuple[str, str, int] | None = None
+        self._last_probe = -math.inf
+        self._plain_turn = True  # a speculating batch alternates plain and verify probes
+        self.probes: collections.Counter = collections.Counter()
+        self._overlapped = False  # the engine drafts during verification (round cost max)
+        self.draft_cost: float | None = None  # c as a moving average, for display/fallback
+        self._step_seen = -1
+        self._k_cache: dict[tuple, int] = {}
+        self._plain_decisions = 0
+        # Decisions come from the serving thread, observations from the engine's loop.
+        self._lock = threading.Lock()
+
+    # ---- admission -------------------------------------------------------------------
+
+    def admit(self, load: dict, methods: list[str], prompt_tokens: int, max_tokens: int,
+              has_stop: bool, wanted: Overrides) -> Decision:
+        """Plain or speculative, method and k for a request about to join this engine.
+        load: Engine.load(); methods: the proposers available right now."""
+        with self._lock:
+            return self._admit(load, methods, prompt_tokens, max_tokens, has_stop, wanted)
+
+    def _admit(self, load, methods, prompt_tokens, max_tokens, has_stop, wanted) -> Decision:
+        if wanted.method and wanted.method not in methods:
+            raise EngineError(f"speculative.method {wanted.method!r} is not available "
+                              f"(available: {methods})", param="speculative.method")
+        if wanted.mode == "off":
+            return Decision("plain", "none", 0, "request asked for plain decoding", 1.0, {},
+                            "request")
+        lw = self._load(load, joining=1)
+        alpha = {m: self.acceptance.alpha(m) for m in methods}
+        curves = {m: self.acceptance.curve(m, self.config.k_max) for m in methods}
+        if wanted.mode == "on":
+            method = wanted.method or ("draft" if "draft" in methods else
+                                       "ngram" if "ngram" in methods else None)
+            if method is None:
+                return Decision("plain", "none", 0, "request asked for speculation, but no "
+                                f"proposer is available (available: {methods})", 1.0, {},
+                                "no_proposer")
+            # "on" means speculate, every round: the request's k, or the best k >= 1 even
+            # below break-even (the engine holds every round of it to k >= 1).
+            d = self._decide([method], alpha, math.inf, lw, curves, method, wanted.k,
+                             speculate=True)
+            d.reason, d.why = "request asked for speculation; " + d.reason, "request"
+            return d
+        expected = self.lengths.expected(prompt_tokens, max_tokens, has_stop)
+        d = self._decide(methods, alpha, expected, lw, curves, wanted.method, wanted.k)
+        if d.why == "no_gain" and "draft" in methods and wanted.method is None:
+            # On standby for the draft, not the n-gram lookup that priced a hair better:
+            # the standby method is what the per-step decision and its probes measure, and
+            # the draft's cost is the one a busy start misprices (a lookup costs nothing).
+            # On standby for n-gram after a busy start, the draft was never probed again.
+            d.standby = "draft"
+        if d.why == "no_gain" and self.config.explore_share > 0 and \
+                self._could_pay(methods, expected, lw):
+            self._plain_decisions += 1
+            if self._plain_decisions >= 1 / self.config.explore_share:
+                # Keep testing speculation now and then (a draft back from an outage, a
+                # workload that became predictable): the estimate learns only from trials.
+                self._plain_decisions = 0
+                method = max(methods, key=lambda m: alpha.get(m, 0.0))
+                e = self._decide([method], alpha, expected, lw, curves, method, 2)
+                e.reason, e.why = f"exploring: {d.reason}", "explore"
+                return e
+        return d
+
+    def _could_pay(self, methods, expected, load) -> bool:
+        """Whether speculation would pay at this load with a draft that is nearly always
+        right. If not, the load alone rules it out, and exploring would only cost: every
+        explored row lengthens a verify that the whole batch waits for (at 16 clients on 2
+        cores, 6-9% of the requests exploring)."""
+        sure = {m: 0.95 for m in methods}
+        curves = {m: [0.95 ** i for i in range(1, self.config.k_max + 1)] for m in methods}
+        return self._decide(methods, sure, expected, load, curves).mode == "speculative"
+
+    def _decide(self, methods, alpha, expected, load, curves, method=None, k=None,
+                speculate: bool = False) -> Decision:
+        return decide(self._config(), methods, alpha, expected, load, self.step_cost,
+                      forced_method=method, forced_k=k, draft_cost=self.draft_round_cost,
+                      curves=curves, overlapped=self._overlapped, speculate=speculate)
+
+    def _config(self) -> PolicySettings:
+        if self.draft_cost is None:
+            return self.config
+        return self.config.model_copy(update={"draft_cost_ratio": self.draft_cost})
+
+    @staticmethod
+    def _load(load: dict, joining: int = 0) -> Load:
+        """The batch this decision will run in. A joining request also runs with the ones
+        queued ahead of it, as far as free slots take them: a burst of requests admitted
+        before the next step must not each be priced as if it ran alone."""
+        running, waiting = load.get("running", 0), load.get("waiting", 0)
+        rows, pinned = running, load.get("pinned_running", 0)
+        if joining:
+            slots = running + load.get("free_slots", 0)
+            rows = max(min(running + waiting + joining, slots), running + joining)
+            # Pinned plain rows among the queued ahead that will run with it.
+            pinned += min(load.get("pinned_waiting", 0), rows - running - joining)
+        # The row being decided follows the decision: at least one row drafts.
+        return Load(rows, waiting, load.get("prefill_tokens_per_step", 0.0),
+                    max(min(pinned, rows - 1), 0))
+
+    # ---- between rounds (Engine's choose_k hook) ---------------------------------------
+
+    def choose_k(self, engine, req, spec, running: int) -> int:
+        """k for a running request's next round. The method-level answer depends only on
+        the step's load, so it is computed once per step; a request's own acceptance moves
+        it only through a coarse bucket (and drops it to plain when it collapsed)."""
+        with self._lock:
+            return self._choose_k(engine, req, spec)
+
+    def _choose_k(self, engine, req, spec) -> int:
+        if engine.steps != self._step_seen:
+            self._step_seen, self._k_cache = engine.steps, {}
+            self._overlapped = _overlapping(engine)  # admissions use it too
+            self._probe = self._plan_probe(engine.load())
+        if self._probe is not None:
+            _, method, k = self._probe
+            if k == 0 and not req.speculate:
+                return 0
+            if k and req.method == method:
+                return k
+        own = spec.policy_trials
+        bucket = None
+        if spec.rounds >= self.config.collapse_rounds and own:
+            bucket = round(10 * spec.accepted / own)
+        key = (req.method, req.k, bucket, spec.rounds >= self.config.collapse_rounds,
+               req.speculate)
+        if key not in self._k_cache:
+            load = self._load(engine.load())
+            # The request's own acceptance, as its bucket (trials 10, kept = bucket).
+            trials, kept = (0, 0) if bucket is None else (10, bucket)
+            self._k_cache[key] = revisit(
+                self._config(), req.method, trials, kept, spec.rounds,
+                self.acceptance.alpha(req.method), load, self.step_cost,
+                self.draft_round_cost, self.acceptance.curve(req.method, self.config.k_max),
+                overlapped=self._overlapped, speculate=req.speculate)
+        return self._k_cache[key]
+
+    def probing(self) -> tuple[str, str, int] | None:
+        """This step's probe (see _plan_probe), or None."""
+        return self._probe
+
+    def _plan_probe(self, raw: dict) -> tuple[str, str, int] | None:
+        """A probe for this step, or None: ("verify", method, k) makes the rows that follow
+        the policy draft k although the batch would run plain; ("plain", "none", 0) makes a
+        speculating batch run one plain step. Only for a shape not run for real within
+        probe_interval_s, at most once per interval, and only while nothing waits: the
+        calibration that priced it may have run on a busy machine, and a batch that never
+        runs a shape never learns what it costs now. One step in an interval is the price."""
+        interval = self.config.probe_interval_s
+        now = self.clock()
+        following = raw.get("following") or {}
+        if not interval or now - self._last_probe < interval or raw.get("waiting", 0) \
+                or not following:
+            return None
+        method = max(following, key=lambda m: (following[m], m == "draft"))
+        if method == "none":
+            return None
+        load = self._load(raw)
+        alpha = {method: self.acceptance.alpha(method)}
+        curves = {method: self.acceptance.curve(method, self.config.k_max)}
+        base = load.running + load.prefill_tokens
+        drafting = max(load.running - min(load.pinned, load.running - 1), 1)
+
+        def stale(tokens: float) -> bool:
+            seen = self.step_cost.last_live_at(round(tokens))
+            return seen is None or now - seen >= interval
+
+        batch = self._decide([method], alpha, math.inf, load, curves, method)
+        # The verify shapes the batch does not run, best expected first: a plain batch
+        # probes the one that would pay best if it was priced wrong; a speculating batch
+        # takes turns between that and a plain step (is plain still slower?).
+        options = sorted((self._decide([method], alpha, math.inf, load, curves, method, k)
+                          for k in range(1, self.config.k_max + 1)
+                          if k != batch.k and stale(base + drafting * k)),
+                         key=lambda d: -d.expected_speedup)
+        plain_ok = batch.k and not raw.get("speculating_on_request") and stale(base)
+        probe = None
+        if plain_ok and (self._plain_turn or not options):
+            probe = ("plain", "none", 0)
+        elif options:
+            probe = ("verify", method, options[0].k)
+        if batch.k:
+            self._plain_turn = probe is not None and probe[0] == "verify"
+        if probe is not None:
+            self._last_probe = now
+            self.probes[probe[0]] += 1
+            log.info("probing a %s step (method %s, k %d) at %d rows: its shape was not run "
+                     "for %.0f s", probe[0], probe[1], probe[2], load.running, interval)
+        return probe
+
+    # ---- observations ----------------------------------------------------------------
+
+    def observe_step(self, rec) -> None:
+        with self._lock:
+            self._observe_step(rec)
+
+    def calibrate_step(self, rec) -> None:
+        """A step of the start-up calibration (specdec/engine/calibrate.py): kept by the cost fits
+        for good."""
+        with self._lock:
+            self._observe_step(rec, anchor=True)
+
+    def _observe_step(self, rec, anchor: bool = False) -> None:
+        step, draft = self.step_cost, self.draft_round_cost
+        (step.calibrate if anchor else step.observe)(rec.tokens, rec.step_s - rec.draft_s)
+        if getattr(rec, "draft_catchup", 0) > self.config.k_max + 1:
+            # The draft first prefilled a row's context (its first round, or its first after
+            # a plain stretch): not what a round costs. Taken as one, the first round of
+            # every request priced the draft up to 2x and turned speculation off.
+            return
+        (draft.calibrate if anchor else draft.observe)(rec.draft_k, rec.draft_rows,
+                                                       rec.draft_model_s)
+        if rec.draft_model_s and rec.draft_k:
+            # c = the draft's time per guess / one plain target step (rows are batched).
+            fit = self.step_cost.fit()
+            plain = (fit[0] + fit[1] * max(rec.rows, 1)) if fit else rec.verify_s
+            c = rec.draft_model_s / rec.draft_k / max(plain, 1e-6)
+            self.draft_cost = c if self.draft_cost is None else 0.9 * self.draft_cost + 0.1 * c
+
+    def observe_finished(self, out) -> None:
+        with self._lock:
+            self._observe_finished(out)
+
+    def _observe_finished(self, out) -> None:
+        if out.finish_reason == "stop":
+            # Only a reply that ended by itself says how long replies run. One cut at its
+            # max_tokens says "at least this long": taken as the length, a 4-token request
+            # made every later request of its prompt length "short" (plain, 4 < 12 tokens).
+            self.lengths.observe(out.prompt_tokens, len(out.token_ids))
+        if out.method != "none":
+            s = out.spec
+            # An empty proposal was a chance at position 1 that failed, like a rejection.
+            drafted = list(s.drafted_per_position) or [0]
+            drafted[0] += s.empty_proposals
+            self.acceptance.observe(out.method, s.accepted, s.rejections + s.empty_proposals,
+                                    s.accepted_per_position, drafted)
+
+    def report(self, methods: list[str]) -> dict:
+        with self._lock:
+            return self._report(methods)
+
+    def _report(self, methods: list[str]) -> dict:
+        return {
+            "alpha": {m: self.acceptance.alpha(m) for m in methods},
+            "acceptance_curve": {m: self.acceptance.curve(m, self.config.k_max)
+                                 for m in methods},
+            "step_cost_fit": self.step_cost.fit(), "draft_cost_ratio": self.draft_cost,
+            "draft_round_fit": self.draft_round_cost.fit(),
+            "step_costs": self.step_cost.report(), "probes": dict(self.probes),
+        }
+
+
+def _overlapping(engine) -> bool:
+    """Whether the engine drafts during verification now (on, or auto having chosen it)."""
+    mode = getattr(engine, "overlap", "off")
+    chooser = getattr(engine, "overlap_chooser", None)
+    return mode == "on" or (chooser is not None and bool(chooser.choice))

@@ -1,0 +1,177 @@
+"""Drafting overlapped with verification (PEARL, Liu et al., ICLR 2025), exact.
+
+Sequential speculation alternates: the draft guesses k tokens while the target waits, then
+the target verifies them while the draft waits, so a round costs k*c + v target steps. Here
+the draft and the target work at the same time. In every step, a speculative row hands the
+target its one pending token (the last one emitted) and the guesses already drafted for it;
+at the same time the draft continues from the end of those guesses, assuming they will all
+be kept, and drafts for as long as the target is busy (at least one guess, at most k: the
+draft length adapts to the target's step time by itself). Then:
+
+1. The target verifies the row's guesses with the usual rule. If one is rejected, the
+   row's round ends as always (kept guesses, then a draw from max(0, p - q)) and what the
+   draft drafted meanwhile is dropped: it assumed a context that did not happen.
+2. If all are kept, the target does NOT draw its bonus token from p (the distribution at
+   the next position). It keeps p, and the draft's first new guess x1 (drawn from q given
+   exactly that context) is verified against it: kept with probability min(1, p/q), else a
+   token is drawn from max(0, p - q). Either way the emitted token is distributed as p, as
+   the bonus would have been. If x1 is kept, the rest of the draft's new guesses are the
+   row's guesses for the next step, ready with no wait; if not, the next step starts from
+   the corrected token (and its window verifies the draft's next x1 the same way).
+
+Why the output stays exactly the target's: every emitted token is either a plain draw from
+the target's p or the result of the rejection rule applied to a guess that was drawn from
+the draft's q given exactly the context the target had confirmed (a guess drafted on an
+assumption that failed is never verified). How long the draft drafted depends only on the
+target's timing, never on its verdict. So the sequence of accept/reject decisions is the
+one sequential speculation would make with some proposal lengths, each exact.
+
+Cost per step: max(target step, draft forwards until stopped) plus one small call to
+resolve x1; tokens per step: all kept guesses plus one. On machines where the draft and
+the target have their own compute (separate cores, devices or nodes) a round costs
+max(k*c, v) instead of k*c + v; where they share cores, overlapping them only moves work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from specdec.spec_decode.proposal import Proposal, ProposeInput
+from specdec.spec_decode.target_runner import Head
+
+log = logging.getLogger(__name__)
+
+
+class ThreadWindow:
+    """A draft window in this process: the proposer runs on its own thread (torch releases
+    the GIL, so it computes at the same time as the target on the caller's thread)."""
+
+    def __init__(self, propose: Callable, inputs: list[ProposeInput],
+                 threads: int | None = None) -> None:
+        self._threads = threads
+        self._stop = threading.Event()
+        self._out: list[Proposal] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(propose, inputs), daemon=True,
+                                        name="draft-window")
+        self._thread.start()
+
+    def _run(self, propose, inputs) -> None:
+        if self._threads:
+            # OpenMP teams are per calling thread: this one computes with the draft's own
+            # thread count while the caller's computes the target's step.
+            import torch
+
+            torch.set_num_threads(self._threads)
+        try:
+            self._out = propose(inputs, should_stop=self._stop.is_set)
+        except BaseException as exc:  # noqa: BLE001 - surfaced by result()
+            self._error = exc
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def result(self) -> list[Proposal]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._out or []
+
+
+@dataclasses.dataclass
+class ModeStats:
+    seconds: float = 0.0
+    row_tokens: float = 0.0   # tokens emitted, summed over rows
+
+    @property
+    def seconds_per_row_token(self) -> float:
+        return self.seconds / self.row_tokens if self.row_tokens else float("inf")
+
+
+class OverlapChooser:
+    """`overlap: auto`: measure both ways, keep the faster, measure again now and then.
+
+    Steps alternate in blocks between sequential and overlapped speculation until each has
+    `sample_steps` steps with speculative rows; the mode with fewer seconds per emitted
+    token per row wins (ties keep sequential, the simpler one); after `hold_steps` steps
+    the comparison starts over (the load, the prompts or the machine may have changed)."""
+
+    def __init__(self, sample_steps: int = 48, block: int = 8, hold_steps: int = 2000) -> None:
+        self.sample_steps, self.block, self.hold_steps = sample_steps, block, hold_steps
+        self.stats = {False: ModeStats(), True: ModeStats()}
+        self.steps = {False: 0, True: 0}
+        self.choice: bool | None = None
+        self._held = 0
+        self._turn = 0
+
+    def use_overlap(self) -> bool:
+        if self.choice is not None:
+            return self.choice
+        return (self._turn // self.block) % 2 == 1
+
+    def observe(self, overlapped: bool, seconds: float, row_tokens: int) -> None:
+        """One step that had speculative rows: its time and the tokens its rows emitted."""
+        if self.choice is not None:
+            self._held += 1
+            if self._held >= self.hold_steps:
+                self.__init__(self.sample_steps, self.block, self.hold_steps)
+            return
+        self._turn += 1
+        s = self.stats[overlapped]
+        s.seconds += seconds
+        s.row_tokens += row_tokens
+        self.steps[overlapped] += 1
+        if min(self.steps.values()) >= self.sample_steps:
+            seq, ovl = (self.stats[m].seconds_per_row_token for m in (False, True))
+            self.choice = ovl < seq
+
+
+def settle(draft, target, window, windows: list[ProposeInput], results: list, rec):
+    """Overlap: stop the draft, take its guesses, settle each deferred position against
+    its row's head guess. Returns (resolved, heads, window proposals by row)."""
+    if not windows:
+        return {}, {}, {}
+    t0 = time.perf_counter()
+    proposals: dict[str, Proposal] = {}
+    if window is not None:
+        window.stop()
+        try:
+            got = window.result()
+            proposals = {i.seq_id: p for i, p in zip(windows, got, strict=False)}
+        except Exception as exc:  # noqa: BLE001 - a lost draft: plain draws this step
+            log.warning("draft window failed (%s); settling plainly", exc)
+        call = draft.last_call
+        if call is not None:
+            rec.draft_compute_s += call.compute_s
+            rec.draft_bytes += call.bytes
+    rec.draft_s += time.perf_counter() - t0  # the draft's time not hidden by the target
+    guessed = [len(p.token_ids) for p in proposals.values() if p.token_ids]
+    rec.mean_k = sum(guessed) / len(guessed) if guessed else 0.0
+    rec.max_k = max(guessed, default=0)
+    heads: dict[str, Head | None] = {}
+    for res in results:
+        if not res.deferred:
+            continue
+        prop = proposals.get(res.seq_id)
+        if prop is None or not prop.token_ids:
+            heads[res.seq_id] = None
+        else:
+            heads[res.seq_id] = Head(prop.token_ids[0],
+                                     None if prop.q_ids is None else prop.q_ids[0],
+                                     None if prop.q_probs is None else prop.q_probs[0])
+    t1 = time.perf_counter()
+    resolved = target.resolve(heads) if heads else {}
+    rec.resolve_s = time.perf_counter() - t1
+    return resolved, {k: v for k, v in heads.items() if v is not None}, proposals
+
+
+def use_overlap(mode: str, chooser: OverlapChooser | None, draft, target) -> bool:
+    """Whether this step drafts during the target's: asked for (on, or auto's choice), and
+    a draft that can (a lost draft: plain rounds) beside a target that defers."""
+    if mode == "off" or draft is None or not draft.overlaps or not draft.available:
+        return False
+    return chooser.use_overlap() if chooser is not None else True

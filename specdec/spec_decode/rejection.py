@@ -1,0 +1,109 @@
+"""The batched rejection sampler: exact speculative sampling (Leviathan et al., Chen et al.).
+
+For draft tokens x_1..x_k drawn from q and target distributions p_1..p_{k+1}:
+keep x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection draw one token
+from normalize(max(0, p_i - q_i)) and stop; if all k are kept draw a bonus token from
+p_{k+1}. The emitted tokens are distributed exactly as sampling from p alone.
+
+A draft without a real q (n-gram lookup, greedy draft) is q = one-hot(x): keep with
+probability p(x); the residual max(0, p - one-hot(x)) is p with x removed. The same formula
+covers both, so one code path serves them.
+
+Greedy rows (temperature 0) use the argmax rule: keep while x_i == argmax p_i, replace the
+first mismatch by argmax p_i. No random numbers are consumed for them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.model.sampling import draw_with_uniform
+
+PLACEHOLDER = -1  # output slots after the last emitted token
+
+
+def _uniforms(num_draft: torch.Tensor, width: int, generator, device) -> torch.Tensor:
+    """[B, k+1] uniforms: row b's accept draws in columns :num_draft[b], its final draw in
+    column k. With per-row generators each row consumes exactly num_draft[b] + 1 numbers,
+    so a seeded request's draws do not depend on what else shares its batch."""
+    B = num_draft.shape[0]
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(B, width, generator=generator, device=device)
+    if len(generator) != B:
+        raise ValueError(f"{B} rows but {len(generator)} generators")
+    u = torch.zeros(B, width)
+    for b, (g, n) in enumerate(zip(generator, num_draft.tolist(), strict=True)):
+        r = torch.rand(n + 1, generator=g, device=g.device).cpu()
+        u[b, :n] = r[:n]
+        u[b, width - 1] = r[n]
+    return u.to(device)
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+    *,
+    num_draft: torch.Tensor | None = None,
+    greedy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify a batch of drafts.
+
+    draft_token_ids [B, k] int64; draft_probs [B, k, V] or None (one-hot q);
+    target_probs [B, k+1, V]. generator: one for the batch or one per row (seeded requests).
+    num_draft [B]: each row's own k (rows of one batch may differ; padding is ignored).
+    greedy [B] bool: rows decided by the argmax rule.
+    Returns (output_token_ids [B, k+1] with -1 after the last emitted token, num_emitted [B]).
+    """
+    B, k = draft_token_ids.shape
+    if target_probs.shape[:2] != (B, k + 1):
+        raise ValueError(f"target_probs must be [B, k+1, V] = [{B}, {k + 1}, V], "
+                         f"got {list(target_probs.shape)}")
+    device = target_probs.device
+    if num_draft is None:
+        num_draft = torch.full((B,), k, dtype=torch.long, device=device)
+    if greedy is None:
+        greedy = torch.zeros(B, dtype=torch.bool, device=device)
+    x = draft_token_ids.clamp(min=0)
+    p_draft = target_probs[:, :k].gather(-1, x.unsqueeze(-1)).squeeze(-1)  # p_i(x_i)  [B, k]
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.gather(-1, x.unsqueeze(-1)).squeeze(-1)
+
+    u = _uniforms(num_draft, k + 1, generator, device)
+    # u * q < p  <=>  u < p / q, without dividing by a q that rounding made zero.
+    accept = u[:, :k] * q_draft < p_draft
+    target_argmax = target_probs.argmax(-1)  # [B, k+1]
+    accept = torch.where(greedy.unsqueeze(1), x == target_argmax[:, :k], accept)
+    positions = torch.arange(k, device=device).unsqueeze(0)
+    accept &= positions < num_draft.unsqueeze(1)
+    # Number kept = index of the first failure (or num_draft when none fails).
+    num_accepted = torch.cumprod(accept.long(), dim=1).sum(1)
+    rejected = num_accepted < num_draft
+
+    # The one token drawn by the target at position num_accepted: a residual draw after a
+    # rejection, a bonus draw from p_{k+1} after a full acceptance.
+    rows = torch.arange(B, device=device)
+    p_at = target_probs[rows, num_accepted]  # [B, V]
+    q_at = torch.zeros_like(p_at)  # q where the rejection happened (unused otherwise)
+    if k:
+        j = num_accepted.clamp(max=k - 1)
+        if draft_probs is None:
+            q_at[rows, x[rows, j]] = 1.0
+        else:
+            q_at = draft_probs[rows, j].to(p_at.dtype)
+    residual = torch.clamp(p_at - q_at, min=0.0)
+    dist = torch.where(rejected.unsqueeze(1), residual, p_at)
+    # A residual that rounding emptied (p == q up to float error) falls back to p.
+    empty = dist.sum(-1) <= 0
+    dist = torch.where(empty.unsqueeze(1), p_at, dist)
+    drawn = draw_with_uniform(dist, u[:, k])
+    final = torch.where(greedy, target_argmax[rows, num_accepted], drawn)
+
+    out = torch.full((B, k + 1), PLACEHOLDER, dtype=torch.long, device=device)
+    keep = positions < num_accepted.unsqueeze(1)
+    out[:, :k] = torch.where(keep, x, out[:, :k])
+    out[rows, num_accepted] = final
+    return out, num_accepted + 1

@@ -1,0 +1,243 @@
+"""The target side of one engine step, behind an interface the engine does not look through.
+
+One step = ONE target forward over a ragged batch (plain rows 1 token, speculative rows
+pending + k draft tokens, prefill chunks), then the rejection sampler on the owner's full
+logits (an all-greedy batch asks the model for argmax ids only: under tensor parallelism a
+reduction of each rank's slice maximum). Only tokens leave the runner, never logits: that keeps the tensor-parallel group's
+reply small. `LocalTargetRunner` runs in-process; the Ray group implements the same protocol.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import torch
+
+from specdec.model.batch import BatchInput
+from specdec.model.decoder import Decoder
+from specdec.model.kv_cache import KVCache
+from specdec.model.sampling import SamplingParams, make_generator, warp_probs
+from specdec.spec_decode.calls import CallStats
+from specdec.spec_decode.rejection import rejection_sample
+
+
+@dataclasses.dataclass
+class TargetRow:
+    seq_id: str
+    slot: int
+    start: int                 # tokens of this sequence already in the target's cache
+    tokens: list[int]          # new tokens: pending context, then the num_draft guesses
+    num_draft: int = 0
+    # q of the guesses as (ids, probs) [num_draft, m], zero outside ids; None = one-hot q.
+    draft_q: tuple[torch.Tensor, torch.Tensor] | None = None
+    sample: bool = True        # False for a prefill chunk that does not end the prompt
+    # Overlap (specdec/spec_decode/overlap.py): when every guess is kept, keep the next position's
+    # distribution instead of drawing the bonus token; resolve() draws it later, against
+    # the draft's guess for that position.
+    defer_last: bool = False
+
+
+@dataclasses.dataclass
+class TargetResult:
+    seq_id: str
+    tokens: list[int]          # kept drafts, then the corrected or bonus token
+    num_accepted: int
+    deferred: bool = False     # all kept and no bonus drawn: resolve() emits that token
+
+
+@dataclasses.dataclass
+class Head:
+    """The draft's guess for a deferred position, with the q it was drawn from."""
+
+    token: int
+    q_ids: torch.Tensor | None = None     # [m]; None = one-hot q
+    q_probs: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class Resolved:
+    token: int
+    accepted: bool             # the head was kept (False: drawn from max(0, p - q) or p)
+
+
+class TargetRunner(Protocol):
+    """Everything the engine asks of the target, in this process or as a Ray group."""
+
+    max_slots: int
+    max_len: int
+    vocab_size: int
+    # The last step's compute time and bytes when it crossed into another process; None
+    # when it ran in this one (its wall time is then its compute time).
+    last_call: CallStats | None
+    # Lost steps so far, and why no request can start now (None: it can).
+    failures: int
+    down: str | None
+
+    def start_sequence(self, seq_id: str, params: SamplingParams) -> None: ...
+
+    def step(self, rows: list[TargetRow]) -> list[TargetResult]: ...
+
+    def end_sequence(self, seq_id: str) -> None: ...
+
+    # Overlap only: the deferred positions of the last step, against the draft's heads.
+    def resolve(self, heads: dict[str, Head | None]) -> dict[str, Resolved]: ...
+
+
+def verify_step(model: Decoder, cache: KVCache, rows: list[TargetRow],
+                params: dict[str, SamplingParams],
+                generators: dict[str, torch.Generator],
+                deferred: dict[str, torch.Tensor | int] | None = None) -> list[TargetResult]:
+    """Forward + rejection sampling for one ragged batch (shared by local and TP rank 0).
+    deferred: where a defer_last row keeps its next-position distribution (greedy rows:
+    the argmax id) when all its guesses are kept."""
+    batch = BatchInput.build([(r.slot, r.start, r.tokens) for r in rows], model.device)
+    sampled = [i for i, r in enumerate(rows) if r.sample]
+    idx: list[int] = []
+    offset = 0
+    for r in rows:
+        end = offset + len(r.tokens)
+        if r.sample:
+            idx.extend(range(end - r.num_draft - 1, end))
+        offset = end
+    chosen = [rows[i] for i in sampled]
+    # All-greedy batches need only the argmax (under TP a reduction, not a logits gather).
+    greedy = bool(chosen) and all(params[r.seq_id].greedy for r in chosen)
+    out = model(batch, cache, torch.tensor(idx, dtype=torch.long, device=model.device),
+                argmax=greedy)
+    if not sampled:
+        return []
+    if greedy:
+        return _greedy_rows(chosen, out.tolist(), deferred)
+    return _sample_rows(chosen, out, params, generators, deferred)
+
+
+def _greedy_rows(rows: list[TargetRow], best: list[int],
+                 deferred: dict | None) -> list[TargetResult]:
+    """The sampler's greedy rule on the target's argmax ids alone, without building
+    probability tensors over the vocabulary."""
+    out, off = [], 0
+    for r in rows:
+        n = r.num_draft
+        guesses = r.tokens[len(r.tokens) - n:] if n else []
+        target = best[off: off + n + 1]
+        off += n + 1
+        kept = 0
+        while kept < n and guesses[kept] == target[kept]:
+            kept += 1
+        if r.defer_last and kept == n and deferred is not None:
+            deferred[r.seq_id] = target[n]  # the next token, settled by resolve()
+            out.append(TargetResult(r.seq_id, guesses, kept, deferred=True))
+        else:
+            out.append(TargetResult(r.seq_id, guesses[:kept] + [target[kept]], kept))
+    return out
+
+
+def _sample_rows(rows: list[TargetRow], logits: torch.Tensor,
+                 params: dict[str, SamplingParams],
+                 generators: dict[str, torch.Generator],
+                 deferred: dict | None) -> list[TargetResult]:
+    V = logits.shape[-1]
+    k = max(r.num_draft for r in rows)
+    R = len(rows)
+    row_params = [params[r.seq_id] for r in rows]
+    # Warp every position of a row with that row's params, as the draft's were.
+    per_pos = [p for r, p in zip(rows, row_params, strict=True) for _ in range(r.num_draft + 1)]
+    probs = warp_probs(logits, per_pos)
+    target = probs.new_zeros(R, k + 1, V)
+    drafts = torch.zeros(R, k, dtype=torch.long)
+    any_q = any(r.draft_q is not None for r in rows)
+    q = probs.new_zeros(R, k, V) if any_q else None
+    off = 0
+    for b, r in enumerate(rows):
+        n = r.num_draft
+        target[b, : n + 1] = probs[off: off + n + 1]
+        off += n + 1
+        if n:
+            guesses = torch.tensor(r.tokens[-n:], dtype=torch.long)
+            drafts[b, :n] = guesses
+            if q is not None:
+                if r.draft_q is None:
+                    q[b, torch.arange(n), guesses] = 1.0  # one-hot q
+                else:
+                    ids, qp = r.draft_q
+                    q[b, :n].scatter_(1, ids[:n].long().to(q.device), qp[:n].to(q))
+    out, emitted = rejection_sample(
+        drafts.to(probs.device), q, target, [generators[r.seq_id] for r in rows],
+        num_draft=torch.tensor([r.num_draft for r in rows], device=probs.device),
+        greedy=torch.tensor([p.greedy for p in row_params], device=probs.device),
+    )
+    out, emitted = out.tolist(), emitted.tolist()
+    results = []
+    for b, r in enumerate(rows):
+        n = r.num_draft
+        if r.defer_last and emitted[b] == n + 1 and deferred is not None:
+            # All kept: keep p at the next position instead of the bonus drawn from it.
+            deferred[r.seq_id] = target[b, n] if not row_params[b].greedy \
+                else int(target[b, n].argmax())
+            results.append(TargetResult(r.seq_id, out[b][:n], n, deferred=True))
+        else:
+            results.append(TargetResult(r.seq_id, out[b][: emitted[b]], emitted[b] - 1))
+    return results
+
+
+def resolve_heads(heads: dict[str, Head | None], deferred: dict[str, torch.Tensor | int],
+                  params: dict[str, SamplingParams],
+                  generators: dict[str, torch.Generator]) -> dict[str, Resolved]:
+    """Settle each deferred position: its head guess kept with probability min(1, p/q)
+    (greedy: kept iff it is the argmax), else a draw from max(0, p - q); no head: a draw
+    from p. The rule of rejection.py with k = 1, whose bonus is never used."""
+    out: dict[str, Resolved] = {}
+    for seq_id, head in heads.items():
+        p = deferred.pop(seq_id)
+        if isinstance(p, int):  # greedy
+            out[seq_id] = Resolved(p, head is not None and head.token == p)
+            continue
+        x = head.token if head is not None else 0
+        q = None
+        if head is not None:
+            q = torch.zeros(1, 1, p.shape[-1], dtype=p.dtype, device=p.device)
+            if head.q_probs is None:
+                q[0, 0, x] = 1.0
+            else:
+                q[0, 0].scatter_(0, head.q_ids.long().to(p.device), head.q_probs.to(p))
+        target = torch.stack([p, p]).unsqueeze(0)  # [1, 2, V]; position 2 is never used
+        toks, emitted = rejection_sample(
+            torch.tensor([[x]], device=p.device), q, target, [generators[seq_id]],
+            num_draft=torch.tensor([1 if head is not None else 0], device=p.device))
+        # A kept head is followed by the (unused) bonus: two emitted.
+        out[seq_id] = Resolved(int(toks[0, 0]), head is not None and int(emitted[0]) == 2)
+    return out
+
+
+class LocalTargetRunner:
+    """The target model in this process."""
+
+    last_call = None
+    failures = 0
+    down = None
+
+    def __init__(self, model: Decoder, max_slots: int, max_len: int) -> None:
+        self.model = model
+        self.cache = model.new_cache(max_slots, max_len)
+        self.max_slots, self.max_len = max_slots, max_len
+        self.vocab_size = model.cfg.vocab_size
+        self._params: dict[str, SamplingParams] = {}
+        self._gens: dict[str, torch.Generator] = {}
+        self._deferred: dict[str, torch.Tensor | int] = {}
+
+    def start_sequence(self, seq_id: str, params: SamplingParams) -> None:
+        self._params[seq_id] = params
+        self._gens[seq_id] = make_generator(params.seed, "cpu")
+
+    def step(self, rows: list[TargetRow]) -> list[TargetResult]:
+        return verify_step(self.model, self.cache, rows, self._params, self._gens,
+                           self._deferred)
+
+    def resolve(self, heads: dict[str, Head | None]) -> dict[str, Resolved]:
+        return resolve_heads(heads, self._deferred, self._params, self._gens)
+
+    def end_sequence(self, seq_id: str) -> None:
+        self._params.pop(seq_id, None)
+        self._gens.pop(seq_id, None)
+        self._deferred.pop(seq_id, None)

@@ -1,0 +1,55 @@
+"""The shipped application configs parse and are sized as they say."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from deployments.actors.placement import bundles_for
+from deployments.app import parse_args
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def args_of(name: str) -> dict:
+    return yaml.safe_load((ROOT / name).read_text())["applications"][0]["args"]
+
+
+def test_cpu_default_fits_two_cores_without_hidden_oversubscription():
+    cfg = parse_args(args_of("serve_config.yaml"))
+    bundles, t_idx, d_idx = bundles_for(cfg, replica_cpus=cfg.replica_cpus)
+    assert sum(b.get("CPU", 0) for b in bundles) <= 2.0
+    assert cfg.target.tp == 1 and cfg.target.threads_per_rank() == cfg.target.resources.num_cpus
+    # The draft computes with the target's cores only while the target waits: it reserves
+    # nothing and sits in target rank 0's bundle, on the same node.
+    assert cfg.draft.resources.reserves_nothing and d_idx == [t_idx[0]]
+    assert cfg.draft.vocab_limit and cfg.draft.q_top_m <= 256
+    # The target in a batch-independent format (greedy speculative == plain in it).
+    assert cfg.target.dtype == "int8" and cfg.draft.dtype == "int8-dynamic"
+
+
+def test_gpu_variant_puts_every_shard_and_the_draft_on_its_own_gpu():
+    cfg = parse_args(args_of("serve_config.gpu.yaml"))
+    assert cfg.target.tp >= 2 and cfg.target.resources.num_gpus == 1
+    assert cfg.draft.resources.num_gpus == 1
+    bundles, t_idx, d_idx = bundles_for(cfg, replica_cpus=cfg.replica_cpus)
+    assert sum(b.get("GPU", 0) for b in bundles) == cfg.target.tp + 1
+    assert set(t_idx).isdisjoint(d_idx)
+
+
+def test_the_ingress_keys_old_names_still_validate():
+    """router_* were renamed ingress_*; a config written with the old keys still deploys
+    the same, and a key of neither name is refused naming it."""
+    import pytest
+    from pydantic import ValidationError
+
+    from deployments.app_config import AppArgs
+
+    old = AppArgs.model_validate({"target": {"model": "m"}, "router_cpus": 0.5,
+                                  "router_replicas": 2, "router_max_ongoing_requests": 7})
+    new = AppArgs.model_validate({"target": {"model": "m"}, "ingress_cpus": 0.5,
+                                  "ingress_replicas": 2, "ingress_max_ongoing_requests": 7})
+    assert old == new and new.ingress_replicas == 2 and new.ingress_cpus == 0.5
+    with pytest.raises(ValidationError, match="routr_cpus"):
+        AppArgs.model_validate({"target": {"model": "m"}, "routr_cpus": 1})

@@ -1,0 +1,289 @@
+"""The policy's costs follow the machine: a start-up calibration that lied (a busy machine,
+or one too optimistic) is replaced by live steps and probes within a bounded number of
+steps; "on" speculates every round whatever the costs say.
+
+The simulated engine below runs the real EnginePolicy against a machine whose true costs
+are given: each step asks the policy for k, costs what the machine says, and is observed
+as the served engine observes it; the policy's clock is the simulated time."""
+
+from __future__ import annotations
+
+import math
+
+from engine_helpers import greedy, load, make_engine, random_prompts
+
+from specdec.engine.assemble import AssembledEngine
+from specdec.engine.calibrate import noise
+from specdec.engine.engine import StepRecord
+from specdec.engine.request import Request
+from specdec.model.generate import plain_generate
+from specdec.policy.engine_policy import EnginePolicy, Overrides
+from specdec.policy.settings import PolicySettings
+from specdec.spec_decode.counters import SpecCounters
+
+K_MAX = 6
+
+
+def quiet_step(tokens: int) -> float:
+    """The quiet machine: a 1-row verify of up to 7 tokens costs 1.2 plain steps."""
+    return 0.10 if tokens <= 1 else 0.12 + 0.002 * tokens
+
+
+def quiet_draft(k: int, rows: int) -> float:
+    return 0.005 + k * (0.02 + 0.002 * rows)
+
+
+class Machine:
+    """Step costs as a function of (tokens, k, rows), and a clock that runs with them."""
+
+    def __init__(self, step=quiet_step, draft=quiet_draft) -> None:
+        self.step, self.draft = step, draft
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+
+def calibrate(policy: EnginePolicy, step, draft) -> None:
+    """What specdec/engine/calibrate.py feeds the policy: 1 row and 8 rows, plain and k = 2, 6."""
+    for rows in (1, 8):
+        for _ in range(3):
+            policy.step_cost.calibrate(rows, step(rows))
+            policy.step_cost.calibrate(16 * rows, step(16 * rows))  # the grid's prefills
+        for k in (2, K_MAX):
+            for _ in range(2):
+                policy.step_cost.calibrate(rows * (1 + k), step(rows * (1 + k)))
+                policy.draft_round_cost.calibrate(k, rows, draft(k, rows))
+
+
+class OneRowEngine:
+    """The engine as the policy sees it: one running request that follows the policy."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.overlap, self.overlap_chooser = "off", None
+        self.req = Request("r", [1, 2, 3], greedy(10_000), "draft", 0)
+        self.spec = SpecCounters()
+
+    def load(self) -> dict:
+        return {"running": 1, "waiting": 0, "pinned_running": 0, "pinned_waiting": 0,
+                "free_slots": 7, "prefill_tokens_per_step": 0.0,
+                "following": {"draft": 1}, "speculating_on_request": 0}
+
+
+def serve_steps(policy: EnginePolicy, machine: Machine, n: int) -> list[int]:
+    """n steps of one row; the k of each, None for a probe step."""
+    engine, ks = OneRowEngine(), []
+    for _ in range(n):
+        k = policy.choose_k(engine, engine.req, engine.spec, 1)
+        probing = policy.probing() is not None
+        verify = machine.step(1 + k)
+        drafting = machine.draft(k, 1) if k else 0.0
+        rec = StepRecord(rows=1, tokens=1 + k, draft_s=drafting, verify_s=verify,
+                         draft_rows=1 if k else 0, draft_k=k, draft_model_s=drafting,
+                         step_s=verify + drafting)
+        policy.observe_step(rec)
+        machine.now += rec.step_s
+        engine.steps += 1
+        ks.append(None if probing else k)
+    return ks
+
+
+def settled(ks: list, speculating: bool) -> int:
+    """The first step from which every step but the probes speculates (or runs plain)."""
+    ok = [k is None or (k > 0) == speculating for k in ks]
+    return next(i for i in range(len(ks)) if all(ok[i:]))
+
+
+def admitted(policy: EnginePolicy) -> str:
+    light = {"running": 0, "waiting": 0, "free_slots": 8}
+    return policy.admit(light, ["draft"], 20, 200, False, Overrides()).mode
+
+
+def new_policy(machine: Machine, **settings) -> EnginePolicy:
+    settings = {"explore_share": 0.0, "probe_interval_s": 2.0, **settings}
+    return EnginePolicy(PolicySettings(**settings), clock=machine.clock)
+
+
+def test_quiet_machine_speculates_from_the_calibration_on():
+    machine = Machine()
+    policy = new_policy(machine)
+    calibrate(policy, machine.step, machine.draft)
+    assert admitted(policy) == "speculative"
+    assert settled(serve_steps(policy, machine, 60), True) == 0
+
+
+def test_a_start_up_three_times_slower_is_corrected_by_the_first_live_steps():
+    machine = Machine()
+    policy = new_policy(machine)
+    calibrate(policy, lambda t: 3 * quiet_step(t), lambda k, r: 3 * quiet_draft(k, r))
+    ks = serve_steps(policy, machine, 20)
+    assert settled(ks, True) <= 2 and admitted(policy) == "speculative"
+
+
+def test_a_busy_start_up_that_overpriced_the_verify_is_probed_away():
+    """What a busy start did to the default app: verifies measured at 3.5 plain steps and the
+    draft 2x dearer, plain steps nearly right. The batch then only runs plain steps, which
+    never measure a verify: only a probe does, within one probe interval of serving."""
+    machine = Machine()
+    policy = new_policy(machine)
+    busy_step = lambda t: quiet_step(t) * (1.0 if t <= 1 else 3.0)  # noqa: E731
+    calibrate(policy, busy_step, lambda k, r: 2 * quiet_draft(k, r))
+    assert admitted(policy) == "plain"
+    interval_steps = math.ceil(policy.config.probe_interval_s / quiet_step(1))
+    ks = serve_steps(policy, machine, 3 * interval_steps)
+    assert ks[0] is None  # nothing live yet: the first step probes
+    # Speculating for good within one interval and a few steps after it.
+    assert settled(ks, True) <= interval_steps + 5, ks
+    assert policy.probes["verify"] >= 1 and admitted(policy) == "speculative"
+    # And at the k a quiet start would have chosen.
+    quiet = new_policy(Machine())
+    calibrate(quiet, quiet_step, quiet_draft)
+    def chosen(steps):
+        return [k for k in steps if k is not None][-5:]
+
+    assert chosen(ks) == chosen(serve_steps(quiet, Machine(), 60))
+
+
+def test_without_probes_the_busy_start_would_rule_for_good():
+    """The same start with probes off: plain forever. (What the probe test above fixes.)"""
+    machine = Machine()
+    policy = new_policy(machine, probe_interval_s=0)
+    calibrate(policy, lambda t: quiet_step(t) * (1.0 if t <= 1 else 3.0),
+              lambda k, r: 2 * quiet_draft(k, r))
+    assert set(serve_steps(policy, machine, 200)) == {0} and not policy.probes
+
+
+def test_an_optimistic_calibration_stops_speculating_where_it_loses():
+    """Calibrated with verifies as cheap as a plain step; on the machine they cost 3 plain
+    steps and the draft 0.5 of one per guess: speculation loses, and live verify steps say
+    so at once."""
+    def dear_step(t):
+        return 0.10 if t <= 1 else 0.30 + 0.01 * t
+
+    machine = Machine(dear_step, lambda k, r: 0.05 * k)
+    policy = new_policy(machine)
+    calibrate(policy, lambda t: 0.10, lambda k, r: 0.01 * k)
+    assert admitted(policy) == "speculative"
+    ks = serve_steps(policy, machine, 50)
+    assert settled(ks, False) <= 5, ks
+    assert admitted(policy) == "plain"
+
+
+def test_a_speculating_batch_probes_the_plain_step_it_no_longer_runs():
+    """Calibrated with plain steps 3x dearer than they are (and verifies right): the batch
+    speculates and never runs a plain step, so only a plain probe can show that plain is
+    faster after all."""
+    def dear_verify(t):
+        return 0.10 if t <= 1 else 0.25 + 0.005 * t
+
+    machine = Machine(dear_verify)
+    policy = new_policy(machine)
+    calibrate(policy, lambda t: 0.30 if t <= 1 else dear_verify(t), quiet_draft)
+    assert admitted(policy) == "speculative"
+    interval_steps = math.ceil(policy.config.probe_interval_s / 0.25)
+    ks = serve_steps(policy, machine, 3 * interval_steps)
+    assert settled(ks, False) <= interval_steps + 5, ks
+    assert policy.probes["plain"] >= 1 and admitted(policy) == "plain"
+
+
+def test_probes_cost_one_step_per_interval_at_most():
+    machine = Machine(lambda t: 0.10 if t <= 1 else 0.5)  # speculation never pays
+    policy = new_policy(machine, probe_interval_s=5.0)
+    calibrate(policy, machine.step, machine.draft)
+    ks = serve_steps(policy, machine, 500)  # about 50 s of serving
+    assert set(ks) == {0, None}
+    assert 0 < ks.count(None) == sum(policy.probes.values()) <= machine.now / 5.0 + 1
+
+
+def test_calibration_noise_is_told_from_a_quiet_machine():
+    quiet = {16: [0.100, 0.102, 0.099, 0.101], 1: [0.05, 0.051, 0.05]}
+    assert not noise(quiet, load_average=2.0, cores=2)["noisy"]
+    jumpy = {16: [0.10, 0.19, 0.07, 0.25, 0.11], 1: [0.05, 0.09, 0.04]}
+    got = noise(jumpy, load_average=2.0, cores=2)
+    assert got["noisy"] and "spread" in got["noise"] and got["spread"] > 0.15
+    busy = noise(quiet, load_average=4.2, cores=2)
+    assert busy["noisy"] and "load average 4.2 on 2 cores" in busy["noise"]
+
+
+def test_on_speculates_every_round_whatever_the_costs_say(tiny_llama, tiny_llama_far_draft):
+    """Costs that rule speculation out (verifies 10x a plain step) and a draft that is
+    mostly wrong (the tiny random pair): "on" still drafts every round but the last token's,
+    and greedy output stays plain's. "auto" beside it stays plain."""
+    policy = EnginePolicy(PolicySettings(explore_share=0.0, probe_interval_s=0))
+    for t, s in ((1, 0.1), (2, 1.0), (4, 1.2), (8, 1.5), (16, 2.0), (64, 4.0)):
+        policy.step_cost.calibrate(t, s)
+    engine = make_engine(tiny_llama, tiny_llama_far_draft)
+    engine.choose_k = policy.choose_k
+    engine.on_step.append(policy.observe_step)
+    engine.on_finished.append(policy.observe_finished)
+    built = AssembledEngine(engine, None, None, policy, None, None)
+    prompt = random_prompts((7,), seed=21)[0]
+    n = 30
+    auto_req, auto = built.submit("auto", prompt, greedy(n))
+    assert auto.mode == "plain"
+    while engine.has_work():
+        engine.step()
+    req, decision = built.submit("on", prompt, greedy(n), Overrides(mode="on"))
+    assert decision.mode == "speculative" and decision.k >= 1 and decision.why == "request"
+    assert req.speculate and "request asked for speculation" in decision.reason
+    steps_before = len(engine.history)
+    final = {}
+    while engine.has_work():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    out = final["on"]
+    decode = [r for r in list(engine.history)[steps_before:] if not r.prefill_tokens]
+    assert decode and all(r.draft_rows == 1 for r in decode[:-1])
+    assert out.spec.rounds >= len(decode) - 1 and out.spec.rejections > 0
+    assert out.token_ids == plain_generate(load(tiny_llama), [prompt], greedy(n)).token_ids[0]
+
+
+def test_on_without_any_proposer_runs_plain_and_says_why():
+    policy = EnginePolicy()
+    d = policy.admit({"running": 0, "waiting": 0, "free_slots": 8}, [], 10, 100, False,
+                     Overrides(mode="on"))
+    assert d.mode == "plain" and d.why == "no_proposer"
+    assert "no proposer is available" in d.reason
+
+
+def test_a_reply_cut_at_max_tokens_does_not_make_later_ones_short():
+    """A 4-token request (cut at its max_tokens) says nothing about how long replies run;
+    one that ended by itself does."""
+    from specdec.engine.request import RequestOutput
+
+    policy = EnginePolicy(PolicySettings(explore_share=0.0))
+    light = {"running": 0, "waiting": 0, "free_slots": 8}
+
+    def finished(n: int, reason: str) -> RequestOutput:
+        return RequestOutput("x", [], "", list(range(n)), "", True, reason, 20, SpecCounters())
+
+    policy.observe_finished(finished(4, "length"))
+    assert policy.admit(light, ["draft"], 20, 96, False, Overrides()).why != "short_output"
+    policy.observe_finished(finished(5, "stop"))
+    assert policy.admit(light, ["draft"], 20, 96, False, Overrides()).why == "short_output"
+
+
+def test_a_round_that_first_prefilled_the_draft_is_not_priced_as_a_round():
+    """A row's first draft round also feeds the draft its whole prompt: taken as a round's
+    cost, every request's first round priced the draft far too dear."""
+    policy = EnginePolicy()
+    first = StepRecord(rows=1, tokens=3, draft_s=0.2, verify_s=0.1, draft_rows=1, draft_k=2,
+                       draft_model_s=0.2, step_s=0.3, draft_catchup=40)
+    policy.observe_step(first)
+    assert not policy.draft_round_cost.live and policy.step_cost.live
+    steady = StepRecord(rows=1, tokens=3, draft_s=0.05, verify_s=0.1, draft_rows=1,
+                        draft_k=2, draft_model_s=0.05, step_s=0.15, draft_catchup=3)
+    policy.observe_step(steady)
+    assert list(policy.draft_round_cost.live) == [(2.0, 1.0)]
+
+
+def test_standby_is_the_draft_so_its_cost_gets_probed():
+    """Near break-even the lookup can price a hair better than a mispriced draft; standing
+    by for the lookup, the draft would never be probed again (a busy start for good)."""
+    machine = Machine()
+    policy = new_policy(machine)
+    calibrate(policy, lambda t: quiet_step(t) * (1.0 if t <= 1 else 3.0),
+              lambda k, r: 3 * quiet_draft(k, r))
+    light = {"running": 0, "waiting": 0, "free_slots": 8}
+    d = policy.admit(light, ["draft", "ngram"], 20, 200, False, Overrides())
+    assert d.mode == "plain" and d.standby == "draft"

@@ -1,0 +1,22 @@
+"""docs/configuration.md is what the config models generate: a field added, renamed or
+re-described without regenerating the reference fails here."""
+
+from tools.config_reference import OUT, render
+
+
+def test_committed_reference_equals_a_fresh_generation():
+    assert OUT.read_text() == render(), (
+        "docs/configuration.md is stale: run `python -m tools.config_reference`")
+
+
+def test_every_field_of_the_app_config_is_documented():
+    from deployments.app_config import AppArgs
+    from specdec.engine.spec import DraftGroupConfig, RuntimeConfig
+    from specdec.policy.settings import PolicySettings
+
+    text = render()
+    for prefix, model in (("", AppArgs), ("draft.", DraftGroupConfig),
+                          ("runtime.", RuntimeConfig), ("policy.", PolicySettings)):
+        for name, field in model.model_fields.items():
+            assert f"| `{prefix}{name}` |" in text
+            assert field.description, f"{prefix}{name} has no description"
