@@ -59,6 +59,10 @@ class EnginePolicy:
         self._probe: tuple[str, str, int] | None = None
         self._last_probe = -math.inf
         self._plain_turn = True  # a speculating batch alternates plain and verify probes
+        # A draft probe runs twice in a row: its first round also feeds the draft the
+        # context it missed while the rows ran plain, which is not what a round costs (and
+        # is not priced as one); the second round is the draft's clean cost.
+        self._probe_again: tuple[str, str, int] | None = None
         self.probes: collections.Counter = collections.Counter()
         self._overlapped = False  # the engine drafts during verification (round cost max)
         self.draft_cost: float | None = None  # c as a moving average, for display/fallback
@@ -207,6 +211,9 @@ class EnginePolicy:
         runs a shape never learns what it costs now. One step in an interval is the price."""
         interval = self.config.probe_interval_s
         now = self.clock()
+        again, self._probe_again = self._probe_again, None
+        if again is not None and not raw.get("waiting", 0):
+            return again
         following = raw.get("following") or {}
         if not interval or now - self._last_probe < interval or raw.get("waiting", 0) \
                 or not following:
@@ -243,6 +250,8 @@ class EnginePolicy:
         if probe is not None:
             self._last_probe = now
             self.probes[probe[0]] += 1
+            if probe[0] == "verify" and probe[1] == "draft":
+                self._probe_again = probe
             log.info("probing a %s step (method %s, k %d) at %d rows: its shape was not run "
                      "for %.0f s", probe[0], probe[1], probe[2], load.running, interval)
         return probe

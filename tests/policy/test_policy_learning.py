@@ -64,6 +64,9 @@ class OneRowEngine:
         self.overlap, self.overlap_chooser = "off", None
         self.req = Request("r", [1, 2, 3], greedy(10_000), "draft", 0)
         self.spec = SpecCounters()
+        # Tokens of the row, and how many of them the draft has seen: a draft round after
+        # plain steps first feeds the draft what it missed (StepRecord.draft_catchup).
+        self.tokens, self.draft_seen = 40, 0  # a 40-token prompt the draft has not seen
 
     def load(self) -> dict:
         return {"running": 1, "waiting": 0, "pinned_running": 0, "pinned_waiting": 0,
@@ -79,9 +82,13 @@ def serve_steps(policy: EnginePolicy, machine: Machine, n: int) -> list[int]:
         probing = policy.probing() is not None
         verify = machine.step(1 + k)
         drafting = machine.draft(k, 1) if k else 0.0
+        catchup = engine.tokens - engine.draft_seen if k else 0
+        if k:
+            engine.draft_seen = engine.tokens
+        engine.tokens += 1 + k  # (as if every guess was kept)
         rec = StepRecord(rows=1, tokens=1 + k, draft_s=drafting, verify_s=verify,
                          draft_rows=1 if k else 0, draft_k=k, draft_model_s=drafting,
-                         step_s=verify + drafting)
+                         step_s=verify + drafting, draft_catchup=catchup)
         policy.observe_step(rec)
         machine.now += rec.step_s
         engine.steps += 1
@@ -187,13 +194,15 @@ def test_a_speculating_batch_probes_the_plain_step_it_no_longer_runs():
     assert policy.probes["plain"] >= 1 and admitted(policy) == "plain"
 
 
-def test_probes_cost_one_step_per_interval_at_most():
+def test_probes_cost_two_steps_per_interval_at_most():
+    """One probe per interval; a draft probe is two steps (the first catches the draft up)."""
     machine = Machine(lambda t: 0.10 if t <= 1 else 0.5)  # speculation never pays
     policy = new_policy(machine, probe_interval_s=5.0)
     calibrate(policy, machine.step, machine.draft)
     ks = serve_steps(policy, machine, 500)  # about 50 s of serving
     assert set(ks) == {0, None}
-    assert 0 < ks.count(None) == sum(policy.probes.values()) <= machine.now / 5.0 + 1
+    probes = sum(policy.probes.values())
+    assert 0 < probes <= machine.now / 5.0 + 1 and ks.count(None) == 2 * probes
 
 
 def test_calibration_noise_is_told_from_a_quiet_machine():
@@ -287,3 +296,40 @@ def test_standby_is_the_draft_so_its_cost_gets_probed():
     light = {"running": 0, "waiting": 0, "free_slots": 8}
     d = policy.admit(light, ["draft", "ngram"], 20, 200, False, Overrides())
     assert d.mode == "plain" and d.standby == "draft"
+
+
+def test_a_busy_start_that_overpriced_only_the_draft_is_probed_away():
+    """The verify calibrated right, the draft 3x too dear (a busy start slowed the draft's
+    process more): the batch runs plain, so only a probe drafts, and its first round also
+    catches the draft up on the plain steps it missed, which is not priced as a round. The
+    probe therefore drafts two steps in a row; the second one's round corrects the draft's
+    cost, and the batch speculates."""
+    machine = Machine()
+    policy = new_policy(machine)
+    calibrate(policy, quiet_step, lambda k, r: 3 * quiet_draft(k, r))
+    assert admitted(policy) == "plain"
+    interval_steps = math.ceil(policy.config.probe_interval_s / quiet_step(1))
+    ks = serve_steps(policy, machine, 4 * interval_steps)
+    assert policy.draft_round_cost.live, "no draft round was ever measured"
+    assert settled(ks, True) <= 2 * interval_steps + 5, ks
+    assert admitted(policy) == "speculative"
+
+
+def test_a_draft_probe_drafts_twice_and_only_the_second_round_is_priced():
+    machine = Machine()
+    policy = new_policy(machine)
+    calibrate(policy, quiet_step, lambda k, r: 3 * quiet_draft(k, r))
+    engine = OneRowEngine()
+    engine.tokens = 200  # a long plain stretch: the draft has seen none of it
+    for _ in range(2):
+        k = policy.choose_k(engine, engine.req, engine.spec, 1)
+        assert k > 0 and policy.probing() == ("verify", "draft", k)
+        catchup = engine.tokens - engine.draft_seen
+        engine.draft_seen, engine.tokens = engine.tokens, engine.tokens + 1 + k
+        policy.observe_step(StepRecord(rows=1, tokens=1 + k, draft_s=0.05, verify_s=0.12,
+                                       draft_rows=1, draft_k=k, draft_model_s=0.05,
+                                       step_s=0.17, draft_catchup=catchup))
+        engine.steps += 1
+        machine.now += 0.17
+    assert list(policy.draft_round_cost.live) == [(float(k), 1.0)]
+    assert sum(policy.probes.values()) == 1  # one probe, two steps
