@@ -70,6 +70,22 @@ async def _health(client: httpx.AsyncClient) -> dict:
         return {}
 
 
+async def _wait_drained(url: str, headers: dict | None, memory: dict[str, list[float]]
+                        ) -> float | None:
+    """Seconds until running and waiting are back to 0 (None: not within 10 minutes); the
+    memory of every actor once drained is sampled too."""
+    async with httpx.AsyncClient(base_url=url, timeout=30, headers=headers) as c:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 600:
+            h = await _health(c)
+            if h.get("running") == 0 and h.get("waiting") == 0:
+                for actor, m in (h.get("memory_mb") or {}).items():
+                    memory.setdefault(actor, []).append(m.get("rss_mb", float("nan")))
+                return time.monotonic() - t0
+            await asyncio.sleep(1)
+    return None
+
+
 async def run_load(url: str, model: str, clients: int, duration_s: float,
                    lengths: list[int], headers: dict | None = None,
                    progress: Progress | None = None, speculative: dict | None = None) -> dict:
@@ -115,18 +131,13 @@ async def run_load(url: str, model: str, clients: int, duration_s: float,
 
     await asyncio.gather(sampler(), *(client_loop(i) for i in range(clients)))
     wall = time.monotonic() - t_start
-    # The clients stopped: the queue must drain.
-    async with httpx.AsyncClient(base_url=url, timeout=30, headers=headers) as c:
-        t0 = time.monotonic()
-        drained_s = None
-        while time.monotonic() - t0 < 600:
-            h = await _health(c)
-            if h.get("running") == 0 and h.get("waiting") == 0:
-                drained_s = time.monotonic() - t0
-                for actor, m in (h.get("memory_mb") or {}).items():
-                    memory.setdefault(actor, []).append(m.get("rss_mb", float("nan")))
-                break
-            await asyncio.sleep(1)
+    drained_s = await _wait_drained(url, headers, memory)  # the clients stopped
+    return _report(results, clients, wall, drained_s, queue_samples, memory)
+
+
+def _report(results: list[dict], clients: int, wall: float, drained_s: float | None,
+            queue_samples: list[tuple[float, int, int]], memory: dict[str, list[float]]
+            ) -> dict:
     ok = [r for r in results if r["outcome"] == "ok"]
     refused = [r for r in results if r["outcome"] == "refused"]
     failed = [r for r in results if r["outcome"] == "failed"]

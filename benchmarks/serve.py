@@ -223,6 +223,23 @@ def _peer(args):
         yield server.url
 
 
+def _add_ratios(rows: list[dict]) -> None:
+    """Each row against the others of its level: the better static policy, plain, and
+    llama.cpp."""
+    for key in {(r["temperature"], r["clients"]) for r in rows}:
+        at = {r["policy"]: r for r in rows if (r["temperature"], r["clients"]) == key}
+        best_static = max((at[p]["output_tokens_per_s"] for p in ("plain", "speculative")
+                           if p in at), default=None)
+        for r in at.values():
+            if best_static:
+                r["vs_best_static"] = r["output_tokens_per_s"] / best_static
+            if "plain" in at and at["plain"]["output_tokens_per_s"]:
+                r["measured_speedup"] = (r["output_tokens_per_s"]
+                                         / at["plain"]["output_tokens_per_s"])
+            if PEER in at and at[PEER]["output_tokens_per_s"]:
+                r["vs_llama_cpp"] = r["output_tokens_per_s"] / at[PEER]["output_tokens_per_s"]
+
+
 def main(args) -> int:
     levels = args.clients
     repeats = max(1, args.repeats)
@@ -253,26 +270,12 @@ def main(args) -> int:
     rows = [_median_run([x for x in runs if x["temperature"] == t and x["clients"] == c
                          and x["policy"] == p])
             for t in args.temperatures for c in levels for p in policies]
-    for temperature in args.temperatures:
-        for c in levels:
-            at = {r["policy"]: r for r in rows
-                  if r["clients"] == c and r["temperature"] == temperature}
-            best_static = max((at[p]["output_tokens_per_s"] for p in ("plain", "speculative")
-                               if p in at), default=None)
-            for r in at.values():
-                if best_static:
-                    r["vs_best_static"] = r["output_tokens_per_s"] / best_static
-                if "plain" in at and at["plain"]["output_tokens_per_s"]:
-                    r["measured_speedup"] = (r["output_tokens_per_s"]
-                                             / at["plain"]["output_tokens_per_s"])
-                if PEER in at and at[PEER]["output_tokens_per_s"]:
-                    r["vs_llama_cpp"] = (r["output_tokens_per_s"]
-                                         / at[PEER]["output_tokens_per_s"])
+    _add_ratios(rows)
     print_table(rows, ["temperature", "policy", "clients", "requests", "errors",
                        "output_tokens_per_s", "vs_best_static", "predicted_speedup",
-                       "measured_speedup", "vs_llama_cpp", "spread", "ttft_p50_s", "ttft_p90_s", "itl_p50_ms",
-                       "itl_p90_ms", "speculative_share", "speculated_share", "ngram_share",
-                       "k_mean"],
+                       "measured_speedup", "vs_llama_cpp", "spread", "ttft_p50_s",
+                       "ttft_p90_s", "itl_p50_ms", "itl_p90_ms", "speculative_share",
+                       "speculated_share", "ngram_share", "k_mean"],
                 title=f"{args.url} {args.model}: concurrency sweep")
     totals = [{"temperature": t, "policy": p,
                "sum_over_levels_tokens_per_s": sum(

@@ -158,12 +158,7 @@ def decide(config: PolicySettings, methods: list[str], alpha: dict[str, float],
 
     speculate (the request asked for it, mode "on"): the best k >= 1 whatever it is worth;
     plain only when no proposer is available."""
-    inputs = {"expected_tokens": round(expected_tokens, 1) if math.isfinite(expected_tokens)
-              else None, "running": load.running, "pinned": load.pinned,
-              "waiting": load.waiting, "prefill_tokens": round(load.prefill_tokens, 1),
-              "alpha": {m: round(a, 3) for m, a in alpha.items()}}
-    if curves:
-        inputs["acceptance_curve"] = {m: [round(r, 3) for r in c] for m, c in curves.items()}
+    inputs = _inputs(expected_tokens, load, alpha, curves)
     if not methods:
         return Decision("plain", "none", 0, "no proposer available", 1.0, inputs,
                         "no_proposer")
@@ -171,15 +166,46 @@ def decide(config: PolicySettings, methods: list[str], alpha: dict[str, float],
         return Decision("plain", "none", 0, f"short output expected ({expected_tokens:.0f} "
                         f"< {config.min_expected_tokens} tokens)", 1.0, inputs,
                         "short_output")
-    candidates = [forced_method] if forced_method else methods
+    ks = [forced_k] if forced_k is not None else list(range(1, config.k_max + 1))
+    best = _best_round(config, [forced_method] if forced_method else methods, ks, alpha,
+                       load, cost, draft_cost, curves, overlapped, inputs)
+    if forced_k is not None or speculate:
+        best.why = "forced" if forced_k is not None else "request"
+        return best
+    if best.expected_speedup <= 1.0:
+        return Decision("plain", "none", 0, "no k beats plain decoding at this load and "
+                        f"acceptance (best: k {best.k}, {best.expected_speedup:.2f}x)",
+                        best.expected_speedup, inputs, "no_gain", best.method)
+    if best.expected_speedup < config.min_speedup:
+        return Decision("plain", "none", 0, f"best speculation only {best.expected_speedup:.2f}x",
+                        best.expected_speedup, inputs, "no_gain", best.method)
+    return best
+
+
+def _inputs(expected_tokens: float, load: Load, alpha: dict[str, float],
+            curves: dict[str, list[float]] | None) -> dict:
+    """What a decision saw, as the response's spec_decode.inputs reports it."""
+    inputs = {"expected_tokens": round(expected_tokens, 1) if math.isfinite(expected_tokens)
+              else None, "running": load.running, "pinned": load.pinned,
+              "waiting": load.waiting, "prefill_tokens": round(load.prefill_tokens, 1),
+              "alpha": {m: round(a, 3) for m, a in alpha.items()}}
+    if curves:
+        inputs["acceptance_curve"] = {m: [round(r, 3) for r in c] for m, c in curves.items()}
+    return inputs
+
+
+def _best_round(config: PolicySettings, methods: list[str], ks: list[int],
+                alpha: dict[str, float], load: Load, cost: StepCostModel,
+                draft_cost: DraftCostModel | None, curves: dict[str, list[float]] | None,
+                overlapped: bool, inputs: dict) -> Decision:
+    """The speculative (method, k) with the highest expected goodput, worth it or not."""
     rows = max(load.running, 1)
     drafting = max(rows - min(load.pinned, rows - 1), 1)  # the rows that follow the decision
     base = rows + load.prefill_tokens  # a plain step: one token per row
     plain_step = cost.step_seconds(base)
-    best: Decision | None = None  # the best speculative choice, worth it or not
-    for m in candidates:
+    best: Decision | None = None
+    for m in methods:
         c = config.draft_cost_ratio if m == "draft" else config.ngram_cost_ratio
-        ks = [forced_k] if forced_k is not None else range(1, config.k_max + 1)
         for k in ks:
             v = cost.verify_cost(base, drafting * k)  # every following row drafts k
             measured = draft_cost.round_seconds(k, drafting) if m == "draft" and draft_cost \
@@ -198,16 +224,6 @@ def decide(config: PolicySettings, methods: list[str], alpha: dict[str, float],
                 best = Decision("speculative", m, k, f"best expected goodput: {s:.2f}x plain "
                                 f"(alpha {alpha.get(m, 0.5):.2f}, c {c:.2f}, v {v:.2f})",
                                 s, inputs, "goodput")
-    if forced_k is not None or speculate:
-        best.why = "forced" if forced_k is not None else "request"
-        return best
-    if best.expected_speedup <= 1.0:
-        return Decision("plain", "none", 0, "no k beats plain decoding at this load and "
-                        f"acceptance (best: k {best.k}, {best.expected_speedup:.2f}x)",
-                        best.expected_speedup, inputs, "no_gain", best.method)
-    if best.expected_speedup < config.min_speedup:
-        return Decision("plain", "none", 0, f"best speculation only {best.expected_speedup:.2f}x",
-                        best.expected_speedup, inputs, "no_gain", best.method)
     return best
 
 
