@@ -17,19 +17,24 @@ def parse_args(args: dict) -> AppArgs:
     try:
         return AppArgs.model_validate(args or {})
     except ValidationError as exc:
-        lines = [f"  {'.'.join(str(x) for x in e['loc']) or '(root)'}: {e['msg']}"
-                 for e in exc.errors()]
+        # The engine's keys are written flat in the YAML: name them as written.
+        lines = [f"  {'.'.join(str(x) for x in _as_written(e['loc'])) or '(root)'}: "
+                 f"{e['msg']}" for e in exc.errors()]
         raise ConfigError("invalid specdec application args:\n" + "\n".join(lines)) from None
+
+
+def _as_written(loc: tuple) -> tuple:
+    return loc[1:] if loc[:1] == ("engine",) else loc
 
 
 def build_app(args: dict):
     cfg = parse_args(args)
-    bundles, _, _ = bundles_for(cfg, replica_cpus=cfg.replica_cpus)
+    bundles, _, _ = bundles_for(cfg.engine, replica_cpus=cfg.replica_cpus)
     auto = cfg.engine_autoscaling
     engine = serve.deployment(EngineServer, name="Engine").options(
         ray_actor_options={"num_cpus": cfg.replica_cpus},
         placement_group_bundles=bundles,
-        placement_group_strategy=cfg.runtime.placement_strategy,
+        placement_group_strategy=cfg.engine.runtime.placement_strategy,
         max_ongoing_requests=cfg.engine_max_ongoing(),
         autoscaling_config={
             "min_replicas": auto.min_replicas, "max_replicas": auto.max_replicas,
@@ -37,7 +42,7 @@ def build_app(args: dict):
             "upscale_delay_s": auto.upscale_delay_s,
             "downscale_delay_s": auto.downscale_delay_s},
         health_check_period_s=10, health_check_timeout_s=60,
-    ).bind(cfg.engine_spec().model_dump(), cfg.replica_cpus)
+    ).bind(cfg.engine.model_dump(), cfg.replica_cpus)
     return Ingress.options(num_replicas=cfg.ingress_replicas,
                           max_ongoing_requests=cfg.ingress_max_ongoing_requests,
                           ray_actor_options={"num_cpus": cfg.ingress_cpus}).bind(

@@ -1,7 +1,10 @@
 """The application's configuration (serve_config.yaml `args`), validated at deploy time.
 
 The engine part is specdec's EngineSpec (the same object `specdec generate --config` and
-the benchmarks assemble from); the rest is how Serve runs it."""
+the benchmarks assemble from), held as `engine`; the rest is how Serve runs it. The YAML
+keeps one flat `args:` mapping: the EngineSpec's keys are gathered into `engine` before
+validation, so an error still names the key as written (`target.tp`, not `engine.target.tp`,
+see deployments/app.py)."""
 
 from __future__ import annotations
 
@@ -29,8 +32,12 @@ class Autoscaling(BaseModel):
         return self
 
 
-class AppArgs(EngineSpec):
+class AppArgs(BaseModel):
     """serve_config.yaml `args` of the application."""
+
+    model_config = ConfigDict(extra="forbid")
+    engine: EngineSpec = Field(description="The engine: every key of EngineSpec, written "
+                               "flat beside the ones below.")
 
     model_name: str | None = Field(None, description="The model id /v1/models lists and "
                                    "requests name; default: target.model.")
@@ -59,11 +66,17 @@ class AppArgs(EngineSpec):
         "Required as `Authorization: Bearer KEY` on every route but a minimal /health. The "
         "SPECDEC_API_KEY environment variable takes precedence (keep keys out of files)."))
 
+    @model_validator(mode="before")
+    @classmethod
+    def _gather_engine(cls, data):
+        if isinstance(data, dict) and "engine" not in data:
+            engine = {k: v for k, v in data.items() if k in EngineSpec.model_fields}
+            return {**{k: v for k, v in data.items() if k not in engine}, "engine": engine}
+        return data
+
     def engine_max_ongoing(self) -> int:
-        return self.max_ongoing_requests or 2 * (self.runtime.max_slots + self.max_waiting)
+        e = self.engine
+        return self.max_ongoing_requests or 2 * (e.runtime.max_slots + e.max_waiting)
 
     def served_name(self) -> str:
-        return self.model_name or self.target.model
-
-    def engine_spec(self) -> EngineSpec:
-        return EngineSpec.from_app_args(self.model_dump())
+        return self.model_name or self.engine.target.model

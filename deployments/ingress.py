@@ -102,8 +102,8 @@ class IngressServer:
         self.args = AppArgs.model_validate(args)
         self.engine = engine
         self.model_name = self.args.served_name()
-        self.tokenizer = load_tokenizer(resolve(self.args.target.model))
-        self.max_len = self.args.runtime.max_len
+        self.tokenizer = load_tokenizer(resolve(self.args.engine.target.model))
+        self.max_len = self.args.engine.runtime.max_len
         self.metrics = IngressMetrics()
         global _metrics
         _metrics = self.metrics
@@ -125,7 +125,7 @@ class IngressServer:
         (or a fuzzer) learns them instead of guessing."""
         if self._openapi is None:
             schema = get_openapi(title=api.title, version=api.version, routes=api.routes)
-            names = sorted({self.model_name, self.args.target.model})
+            names = sorted({self.model_name, self.args.engine.target.model})
             for request in ("CompletionRequest", "ChatCompletionRequest"):
                 schema["components"]["schemas"][request]["properties"]["model"]["enum"] = names
             self._openapi = schema
@@ -144,7 +144,7 @@ class IngressServer:
 
     async def _check(self, request: Request, req) -> None:
         self._check_key(request)
-        if req.model not in (self.model_name, self.args.target.model):
+        if req.model not in (self.model_name, self.args.engine.target.model):
             raise APIError(404, f"model {req.model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", param="model", code="model_not_found")
         await self._wait_for_engine()

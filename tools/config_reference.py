@@ -74,12 +74,22 @@ def _section(prefix: str, model: type[BaseModel], out: list[str], nested: list) 
     doc = (model.__doc__ or "").strip().splitlines()
     out += [f"## `{prefix or 'args'}`", "", doc[0] if doc else "", "",
             "| key | type | default | meaning |", "|---|---|---|---|"]
-    for name, field in model.model_fields.items():
+    for name, field in _flat_fields(model):
         key = f"{prefix}.{name}" if prefix else name
         desc = (field.description or "").replace("|", "\\|")
         out.append(f"| `{key}` | {_type(field.annotation)} | {_default(field)} | {desc} |")
         nested += [(key, m) for m in _models(field.annotation)]
     out.append("")
+
+
+def _flat_fields(model: type[BaseModel]):
+    """The fields as the YAML writes them: AppArgs holds its EngineSpec as `engine`, whose
+    keys are written flat beside the app's own."""
+    for name, field in model.model_fields.items():
+        if model is AppArgs and name == "engine":
+            yield from field.annotation.model_fields.items()
+        else:
+            yield name, field
 
 
 def render() -> str:

@@ -17,8 +17,9 @@ def args_of(name: str) -> dict:
 
 
 def test_cpu_default_fits_two_cores_without_hidden_oversubscription():
-    cfg = parse_args(args_of("serve_config.yaml"))
-    bundles, t_idx, d_idx = bundles_for(cfg, replica_cpus=cfg.replica_cpus)
+    app = parse_args(args_of("serve_config.yaml"))
+    cfg = app.engine
+    bundles, t_idx, d_idx = bundles_for(cfg, replica_cpus=app.replica_cpus)
     assert sum(b.get("CPU", 0) for b in bundles) <= 2.0
     assert cfg.target.tp == 1 and cfg.target.threads_per_rank() == cfg.target.resources.num_cpus
     # The draft computes with the target's cores only while the target waits: it reserves
@@ -30,10 +31,11 @@ def test_cpu_default_fits_two_cores_without_hidden_oversubscription():
 
 
 def test_gpu_variant_puts_every_shard_and_the_draft_on_its_own_gpu():
-    cfg = parse_args(args_of("serve_config.gpu.yaml"))
+    app = parse_args(args_of("serve_config.gpu.yaml"))
+    cfg = app.engine
     assert cfg.target.tp >= 2 and cfg.target.resources.num_gpus == 1
     assert cfg.draft.resources.num_gpus == 1
-    bundles, t_idx, d_idx = bundles_for(cfg, replica_cpus=cfg.replica_cpus)
+    bundles, t_idx, d_idx = bundles_for(cfg, replica_cpus=app.replica_cpus)
     assert sum(b.get("GPU", 0) for b in bundles) == cfg.target.tp + 1
     assert set(t_idx).isdisjoint(d_idx)
 
@@ -53,3 +55,20 @@ def test_the_ingress_keys_old_names_still_validate():
     assert old == new and new.ingress_replicas == 2 and new.ingress_cpus == 0.5
     with pytest.raises(ValidationError, match="routr_cpus"):
         AppArgs.model_validate({"target": {"model": "m"}, "routr_cpus": 1})
+
+
+def test_engine_keys_are_written_flat_and_errors_name_them_as_written():
+    """The app args hold an EngineSpec (composition), but the YAML stays one flat mapping,
+    and a bad engine key is named as the user wrote it."""
+    import pytest
+
+    from specdec.errors import ConfigError
+
+    args = args_of("serve_config.yaml")
+    app = parse_args(args)
+    assert app.engine.target.model == args["target"]["model"]
+    assert app.engine.runtime.max_slots == args["runtime"]["max_slots"]
+    with pytest.raises(ConfigError, match=r"\n  target\.tp: Input should be greater"):
+        parse_args({**args, "target": {**args["target"], "tp": 0}})
+    with pytest.raises(ConfigError, match=r"\n  ingress_cpus: Input should be"):
+        parse_args({**args, "ingress_cpus": -1})

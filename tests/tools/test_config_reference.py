@@ -11,12 +11,15 @@ def test_committed_reference_equals_a_fresh_generation():
 
 def test_every_field_of_the_app_config_is_documented():
     from deployments.app_config import AppArgs
-    from specdec.engine.spec import DraftGroupConfig, RuntimeConfig
+    from specdec.engine.spec import DraftGroupConfig, EngineSpec, RuntimeConfig
     from specdec.policy.settings import PolicySettings
 
     text = render()
-    for prefix, model in (("", AppArgs), ("draft.", DraftGroupConfig),
-                          ("runtime.", RuntimeConfig), ("policy.", PolicySettings)):
-        for name, field in model.model_fields.items():
+    app_own = {n: f for n, f in AppArgs.model_fields.items() if n != "engine"}
+    for prefix, fields in (("", app_own), ("", EngineSpec.model_fields),
+                           ("draft.", DraftGroupConfig.model_fields),
+                           ("runtime.", RuntimeConfig.model_fields),
+                           ("policy.", PolicySettings.model_fields)):
+        for name, field in fields.items():
             assert f"| `{prefix}{name}` |" in text
             assert field.description, f"{prefix}{name} has no description"
