@@ -7,12 +7,18 @@ own fetch code if it is missing (`make test` fetches it beforehand, with progres
 from __future__ import annotations
 
 import os
+import sys
 import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
+# Ray is only ever started explicitly (deployments.launch.local_ray, on its own ports and
+# temp dir). Ray's auto-connect would otherwise start, or join, a Ray on any stray API call,
+# such as a Serve background thread's after its module shut Ray down: that Ray then
+# outlived its module and the next module's own Ray failed to start.
+os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 # Tests never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -126,3 +132,14 @@ def qwen_draft_path() -> Path:
 @pytest.fixture(scope="session")
 def qwen_target_path() -> Path:
     return pack_model("qwen2.5-coder-1.5b")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _ray_left_running(request):
+    """Every module that starts Ray shuts it down (tests of one run share a process): a
+    Ray left running here would make the next module's own Ray fail to start."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+        pytest.fail(f"{request.module.__name__} left Ray running in the test process")

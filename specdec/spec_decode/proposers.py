@@ -78,6 +78,10 @@ class _DraftSeq:
             kept += 1
         return min(self.cached, self.base + kept)
 
+    def keep(self, n: int) -> None:
+        """Roll back to the first n tokens, O(1): later entries are overwritten next time."""
+        self.cached = min(self.cached, n)
+
 
 # Guesses of a sampled row are drawn from this many of the draft's most likely tokens.
 DEFAULT_Q_TOP_M = 64
@@ -166,7 +170,7 @@ class DraftModelProposer:
             # O(1) rollback of guesses not kept. A context the cache already holds whole
             # (overlap: the next guesses trimmed below what was drafted) re-feeds its last
             # token, whose logits the first forward needs.
-            s.cached = min(s.valid_after(i.context), len(i.context) - 1)
+            s.keep(min(s.valid_after(i.context), len(i.context) - 1))
         # Drafting uses the request's warp; a greedy draft proposes argmax (temperature 0).
         dparams = [SamplingParams(temperature=0.0) if self.sampling == "greedy" else i.params
                    for i in inputs]
@@ -246,7 +250,7 @@ class DraftModelProposer:
     def accepted(self, seq_id: str, valid_len: int) -> None:
         s = self._seqs.get(seq_id)
         if s is not None:
-            s.cached = min(s.cached, valid_len)  # O(1) rollback: overwrite from here next time
+            s.keep(valid_len)
 
     def release(self, seq_id: str) -> None:
         s = self._seqs.pop(seq_id, None)
