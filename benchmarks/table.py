@@ -28,7 +28,7 @@ def fmt(v) -> str:
 
 def print_table(rows: list[dict], columns: list[str], title: str | None = None) -> None:
     cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
     if title:
         print(f"\n{title}")
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))

@@ -53,3 +53,12 @@ def test_ratios_name_the_peers_best_configuration():
     assert got["served auto / llama.cpp best (ngram-mod)"] == pytest.approx(0.5)
     assert got["served plain / llama.cpp plain"] == pytest.approx(0.5)
     assert got["served auto / served plain"] == pytest.approx(1.5)
+
+
+def test_a_table_without_rows_prints_its_header(capsys):
+    """bench served --paired has no per-step timelines: its cost-shape table is empty."""
+    from benchmarks.table import print_table
+
+    print_table([], ["system", "v"], title="cost shape")
+    out = capsys.readouterr().out
+    assert "cost shape" in out and "system  v" in out
