@@ -8,46 +8,20 @@ DTYPES = ["auto", "float32", "bfloat16", "float16", "int8", "w8a8", "int8-dynami
 
 
 
-def _bench_core(args) -> int:
-    from benchmarks.core import main as bench_core
+def _run(benchmark: str):
+    """The handler of `specdec bench <name>`: imports benchmarks.<name> (torch, and Ray for
+    some) only when that benchmark runs."""
 
-    return bench_core(args)
+    def handler(args) -> int:
+        import importlib
 
+        return importlib.import_module(f"benchmarks.{benchmark}").main(args)
 
-def _bench_decode(args) -> int:
-    from benchmarks.decode import main as bench_decode
-
-    return bench_decode(args)
-
-
-def _bench_tp(args) -> int:
-    from benchmarks.tp import main as bench_tp  # needs Ray
-
-    return bench_tp(args)
+    return handler
 
 
-def _bench_served(args) -> int:
-    from benchmarks.served import main as bench_served  # needs Ray
-
-    return bench_served(args)
-
-
-def _bench_formats(args) -> int:
-    from benchmarks.formats import main as bench_formats
-
-    return bench_formats(args)
-
-
-def _bench_load(args) -> int:
-    from benchmarks.load import main as bench_load
-
-    return bench_load(args)
-
-
-def _bench_serve(args) -> int:
-    from benchmarks.serve import main as bench_serve
-
-    return bench_serve(args)
+_bench_core, _bench_decode, _bench_tp, _bench_served, _bench_formats, _bench_load, \
+    _bench_serve = map(_run, ("core", "decode", "tp", "served", "formats", "load", "serve"))
 
 
 def _args_core(bench) -> None:
