@@ -45,6 +45,7 @@ class RayDraftProposer:
         self.failures = 0
         self.last_call: CallStats | None = None
         self.overlaps = True
+        self._closed = False
         self._window_id = 0
 
     @property
@@ -115,18 +116,25 @@ class RayDraftProposer:
         threading.Thread(target=self._rebuild_loop, daemon=True, name="draft-rebuild").start()
 
     def _rebuild_loop(self) -> None:
-        while True:
+        while not self._closed:
             try:
                 self.stats = self.group.start()
                 log.info("draft group is back")
                 break
-            except Exception as exc:  # noqa: BLE001 - keep trying; requests run plainly
+            except BaseException as exc:  # noqa: BLE001 - keep trying; requests run plainly
+                if self._closed:  # shut down meanwhile (Ray may be gone too): stop quietly
+                    return
+                if not isinstance(exc, Exception):
+                    raise
                 log.warning("draft group rebuild failed: %s; retrying", exc)
                 time.sleep(self.runtime.draft_retry_s)
+        if self._closed:  # a group started just as we shut down: not ours to keep
+            self.group.kill()
         with self._lock:
             self._rebuilding = False
 
     def shutdown(self) -> None:
+        self._closed = True  # a rebuild in progress stops instead of outliving its owner
         self.group.kill()
 
 

@@ -40,6 +40,7 @@ class RayTargetRunner:
         self._started: dict[str, SamplingParams] = {}
         self._ended: list[str] = []
         self.failures = 0
+        self._closed = False
         self.last_call: CallStats | None = None
         self._lock = threading.Lock()
         self._rebuilding: threading.Thread | None = None
@@ -104,10 +105,16 @@ class RayTargetRunner:
 
     def _rebuild_loop(self) -> None:
         while True:
+            if self._closed:
+                return
             try:
                 self.stats = self.group.start()
                 break
-            except Exception as exc:  # noqa: BLE001 - keep trying; requests get 503
+            except BaseException as exc:  # noqa: BLE001 - keep trying; requests get 503
+                if self._closed:  # shut down meanwhile (Ray may be gone too): stop quietly
+                    return
+                if not isinstance(exc, Exception):
+                    raise
                 self.rebuild_failures += 1
                 log.error("target group rebuild failed (%d): %s", self.rebuild_failures, exc)
                 time.sleep(min(2.0 * self.rebuild_failures, 30.0))
@@ -125,4 +132,5 @@ class RayTargetRunner:
         return self.down_since is None
 
     def shutdown(self) -> None:
+        self._closed = True  # a rebuild in progress stops instead of outliving its owner
         self.group.kill()
