@@ -14,8 +14,10 @@ import time
 from ray import serve
 from ray.util import get_current_placement_group
 
+from deployments.actors.draft import RayDraftProposer
 from deployments.actors.procinfo import rss_mb
 from deployments.actors.ray_backend import RayBackend
+from deployments.actors.target import RayTargetRunner
 from deployments.contract import Decided, GenerateCall, Refused, Tokens
 from deployments.metrics import EngineMetrics
 from deployments.startup import StartupReporter
@@ -45,6 +47,13 @@ class EngineServer:
         self.started_s = time.time() - startup.started
         log.info("engine replica ready to serve, %.0f s after it started", self.started_s)
         self.engine, self.policy = self.built.engine, self.built.policy
+        # The Ray backend always builds a target group; the draft is a group, the in-process
+        # n-gram proposer, or absent.
+        assert isinstance(self.built.target, RayTargetRunner)
+        self.target: RayTargetRunner = self.built.target
+        draft = self.built.draft
+        self.draft_group: RayDraftProposer | None = (
+            draft if isinstance(draft, RayDraftProposer) else None)
         self.metrics = EngineMetrics()
         self.metrics.calibrated(self.built.calibration)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = {}
@@ -79,9 +88,8 @@ class EngineServer:
 
     def _publish_gauges(self, force: bool = False) -> None:
         draft = self.built.draft
-        self.metrics.gauges(self.engine.load(), getattr(draft, "available", None)
-                            if draft is not None else None, self.policy, self.built.methods(),
-                            force)
+        self.metrics.gauges(self.engine.load(), draft.available if draft is not None else None,
+                            self.policy, self.built.methods(), force)
 
     def _deliver(self, out) -> None:
         if out.finished:
@@ -149,16 +157,15 @@ class EngineServer:
         load = self.engine.load()
         methods = self.built.methods()
         load.update(self.policy.report(methods))
-        draft = self.built.draft
+        draft = self.draft_group
         load.update({
             "methods": methods,
-            "target_failures": self.engine.target.failures,
-            "target_down": self.engine.target.down,
-            "target_last_rebuild_s": getattr(self.engine.target, "last_rebuild_s", None),
-            "target_last_start": getattr(getattr(self.engine.target, "group", None),
-                                         "last_start", None),
-            "draft_last_start": getattr(getattr(draft, "group", None), "last_start", None),
-            "draft_failures": getattr(draft, "failures", 0),
+            "target_failures": self.target.failures,
+            "target_down": self.target.down,
+            "target_last_rebuild_s": self.target.last_rebuild_s,
+            "target_last_start": self.target.group.last_start,
+            "draft_last_start": draft.group.last_start if draft is not None else None,
+            "draft_failures": draft.failures if draft is not None else 0,
             "timeline": timeline_summary(list(self.engine.history)[-32:]),
             # The start-up calibration, as a prior: how noisy it was, how long it took.
             "calibration": {k: v for k, v in (self.built.calibration or {}).items()
@@ -172,10 +179,8 @@ class EngineServer:
     async def _memory(self) -> dict:
         """RSS of this replica and of every shard actor (by name), now and at peak."""
         out = {"engine_replica": {"rss_mb": rss_mb()}}
-        groups = [getattr(self.engine.target, "group", None),
-                  getattr(self.built.draft, "group", None)]
-        named = [(f"{g.role}-r{r}", a) for g in groups if g is not None
-                 for r, a in enumerate(g.actors)]
+        groups = [self.target.group] + ([self.draft_group.group] if self.draft_group else [])
+        named = [(f"{g.role}-r{r}", a) for g in groups for r, a in enumerate(g.actors)]
         try:
             got = await asyncio.wait_for(
                 asyncio.gather(*(a.memory.remote() for _, a in named)), timeout=2)
@@ -187,15 +192,14 @@ class EngineServer:
     def check_health(self) -> None:
         if not self._thread.is_alive():
             raise RuntimeError("engine loop died")
-        probe = getattr(self.built.draft, "probe", None)
-        if probe is not None:
-            probe()  # a lost draft costs speed, not health: rebuild it, stay healthy
+        if self.draft_group is not None:
+            self.draft_group.probe()  # a lost draft costs speed, not health: rebuild, stay up
         stalled = self.watchdog.stalled(self.engine.has_work())
         if stalled is not None:
             raise RuntimeError(f"engine loop made no progress for {stalled:.0f}s with work "
                                "waiting")
-        target = self.engine.target
-        if getattr(target, "rebuild_failures", 0) >= 3:
+        target = self.target
+        if target.rebuild_failures >= 3:
             # A rebuild in progress is not a failure (requests get 503 meanwhile); one that
             # keeps failing is: Serve then replaces this replica whole.
             raise RuntimeError(f"target group could not be rebuilt: {target.down}")

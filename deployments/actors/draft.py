@@ -17,7 +17,7 @@ from deployments.actors.shard_group import GroupFailed, ShardError, ShardGroup
 from specdec.engine.spec import DraftGroupConfig, RuntimeConfig
 from specdec.spec_decode.calls import CallStats
 from specdec.spec_decode.proposal import Proposal, ProposeInput
-from specdec.spec_decode.wire import ContextSender, payload_bytes
+from specdec.spec_decode.wire import ContextSender, pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -69,18 +69,20 @@ class RayDraftProposer:
             raise DraftUnavailable("the draft group is being rebuilt")
         deltas = self.sender.encode(inputs)
         released, self._released = self._released, []
+        blob = pack((deltas, released))
         try:
-            ref = self.group.submit(method, deltas, released, *extra)
+            ref = self.group.submit(method, blob, *extra)
         except GroupFailed as exc:
             self._lost(exc)
-        return ref, (deltas, released)
+        return ref, len(blob)
 
-    def _result(self, ref, sent) -> list[Proposal]:
+    def _result(self, ref, sent_bytes: int) -> list[Proposal]:
         try:
-            proposals, compute_s = self.group.get(ref, "draft")
+            reply = self.group.get(ref, "draft")
         except (GroupFailed, ShardError) as exc:
             self._lost(exc)
-        self.last_call = CallStats(compute_s, payload_bytes(sent) + payload_bytes(proposals))
+        proposals, compute_s = unpack(reply)
+        self.last_call = CallStats(compute_s, sent_bytes + len(reply))
         return proposals
 
     def _lost(self, exc: Exception):

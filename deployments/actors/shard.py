@@ -29,19 +29,15 @@ from deployments.actors.procinfo import peak_rss_mb, rss_anon_mb, rss_mb
 from specdec.model.decoder import Decoder
 from specdec.model.openmp import omp_max_threads
 from specdec.model.parallel import Group, LeaderDecoder, follow
-from specdec.model.sampling import SamplingParams
 from specdec.model.sharding import ShardSpec
 from specdec.pack.hub import resolve
-from specdec.spec_decode.proposal import Proposal
 from specdec.spec_decode.proposers import DEFAULT_Q_TOP_M, DraftModelProposer
 from specdec.spec_decode.target_runner import (
     Head,
     LocalTargetRunner,
     Resolved,
-    TargetResult,
-    TargetRow,
 )
-from specdec.spec_decode.wire import ContextDelta, ContextReceiver
+from specdec.spec_decode.wire import ContextDelta, ContextReceiver, pack, unpack
 
 
 def _free_port() -> int:
@@ -130,39 +126,40 @@ class ModelShard:
     # ---- rank 0 of the target group -------------------------------------------------------
 
     @ray.method(concurrency_group="compute")
-    def target_step(self, rows: list[TargetRow], started: dict[str, SamplingParams],
-                    ended: list[str]) -> tuple[list[TargetResult], float]:
-        """Results and the seconds spent here (the caller's wall time minus this is the
-        call itself)."""
+    def target_step(self, blob: bytes) -> bytes:
+        """Packed (rows, sequences started, sequences ended) in; packed (results, the seconds
+        spent here) out: the caller's wall time minus those seconds is the call itself."""
         assert self.runner is not None
+        rows, started, ended = unpack(blob)
         t0 = time.perf_counter()
         for seq_id in ended:
             self.runner.end_sequence(seq_id)
         for seq_id, params in started.items():
             self.runner.start_sequence(seq_id, params)
-        return self.runner.step(rows), time.perf_counter() - t0
+        results = self.runner.step(rows)
+        return pack((results, time.perf_counter() - t0))
 
     # ---- rank 0 of the draft group --------------------------------------------------------
 
     @ray.method(concurrency_group="compute")
-    def draft_propose(self, deltas: list[ContextDelta], released: list[str]
-                      ) -> tuple[list[Proposal], float]:
+    def draft_propose(self, blob: bytes) -> bytes:
+        """Packed (context deltas, sequences released) in; packed (proposals, seconds) out."""
         t0 = time.perf_counter()
-        inputs = self._draft_inputs(deltas, released)
-        return self.proposer.propose(inputs), time.perf_counter() - t0
+        inputs = self._draft_inputs(*unpack(blob))
+        proposals = self.proposer.propose(inputs)
+        return pack((proposals, time.perf_counter() - t0))
 
     @ray.method(concurrency_group="compute")
-    def draft_window(self, deltas: list[ContextDelta], released: list[str], window_id: int
-                     ) -> tuple[list[Proposal], float]:
+    def draft_window(self, blob: bytes, window_id: int) -> bytes:
         """Overlap (specdec/spec_decode/overlap.py): draft until stop_window(window_id) arrives on the
         control thread (at least one forward), while the target verifies elsewhere."""
         t0 = time.perf_counter()
         # A stop may arrive before its window starts, or after it ended: keep only the
         # marks of this window and later ones.
         self._stopped = {w for w in self._stopped if w >= window_id}
-        inputs = self._draft_inputs(deltas, released)
+        inputs = self._draft_inputs(*unpack(blob))
         out = self.proposer.propose(inputs, should_stop=lambda: window_id in self._stopped)
-        return out, time.perf_counter() - t0
+        return pack((out, time.perf_counter() - t0))
 
     def _draft_inputs(self, deltas: list[ContextDelta], released: list[str]):
         """Apply what the engine sent (finished sequences, context deltas, rewinds) and

@@ -21,7 +21,7 @@ from specdec.errors import TargetLost
 from specdec.model.sampling import SamplingParams
 from specdec.spec_decode.calls import CallStats
 from specdec.spec_decode.target_runner import Head, Resolved, TargetResult, TargetRow
-from specdec.spec_decode.wire import payload_bytes
+from specdec.spec_decode.wire import pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +70,10 @@ class RayTargetRunner:
             raise TargetUnavailable(self.down)
         started, ended = self._started, self._ended
         self._started, self._ended = {}, []
-        results, compute_s = self._call("target_step", rows, started, ended)
-        self.last_call = CallStats(compute_s, payload_bytes((rows, started, ended))
-                                   + payload_bytes(results))
+        sent = pack((rows, started, ended))
+        reply = self._call("target_step", sent)
+        results, compute_s = unpack(reply)
+        self.last_call = CallStats(compute_s, len(sent) + len(reply))
         return results
 
     def resolve(self, heads: dict[str, Head | None]) -> dict[str, Resolved]:

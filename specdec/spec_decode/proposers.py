@@ -184,25 +184,8 @@ class DraftModelProposer:
         for step in range(max(i.k for i in inputs)):
             if step and should_stop is not None and should_stop():
                 break
-            # Guesses come only from the first vocab_limit ids (q is zero elsewhere): exact
-            # still; the projection was narrowed to them at construction. Greedy guesses
-            # need only the argmax ids (a reduction under TP; one-hot q), unless the
-            # confidence rule wants the guess's probability.
-            greedy = all(dparams[b].greedy for b in live)
-            ids_only = greedy and self.confidence_threshold is None
-            logits = self.model(BatchInput.build(rows, self.model.device), self.cache,
-                                argmax=ids_only)
-            if ids_only:
-                picks, ids, probs, conf = logits.tolist(), None, None, None
-            elif greedy:
-                picks = logits.argmax(-1).tolist()
-                ids = probs = None
-                conf = self._greedy_confidence(logits, picks)
-            else:
-                ids, probs = self._top_m(warp_probs(logits, [dparams[b] for b in live]))
-                local = sample(probs, [seqs[b].generator for b in live]).unsqueeze(1)
-                picks = ids.gather(1, local).squeeze(1).tolist()
-                conf = probs.gather(1, local).squeeze(1)
+            picks, ids, probs, conf = self._forward_and_pick(
+                rows, [dparams[b] for b in live], [seqs[b].generator for b in live])
             sure = self._sure(conf)
             next_rows, next_live = [], []
             for j, b in enumerate(live):
@@ -218,13 +201,38 @@ class DraftModelProposer:
             if not live:
                 break
         for b, (inp, s) in enumerate(zip(inputs, seqs, strict=True)):
-            # The last guess was never fed back, so the cache holds context + k - 1 tokens.
-            s.cached = len(inp.context) + len(tokens[b]) - 1
-            s.base, s.guesses = len(inp.context), tokens[b]
-            one_hot = self.sampling == "greedy" or inp.params.greedy or not q_probs[b]
-            out[inp.seq_id] = Proposal(tokens[b]) if one_hot else Proposal(
-                tokens[b], torch.stack(q_ids[b]).to(torch.int32), torch.stack(q_probs[b]))
+            out[inp.seq_id] = self._finish(inp, s, tokens[b], q_ids[b], q_probs[b])
         return [out[i.seq_id] for i in requested]
+
+    def _forward_and_pick(self, rows, dparams: list[SamplingParams],
+                          generators: list[torch.Generator]):
+        """One draft forward over `rows` and each row's next guess: (picks, q ids, q probs,
+        confidence), the q parts None for greedy rows. Guesses come only from the first
+        vocab_limit ids (q is zero elsewhere): exact still; the projection was narrowed to
+        them at construction. Greedy guesses need only the argmax ids (a reduction under
+        TP; one-hot q), unless the confidence rule wants the guess's probability."""
+        greedy = all(p.greedy for p in dparams)
+        ids_only = greedy and self.confidence_threshold is None
+        logits = self.model(BatchInput.build(rows, self.model.device), self.cache,
+                            argmax=ids_only)
+        if ids_only:
+            return logits.tolist(), None, None, None
+        if greedy:
+            picks = logits.argmax(-1).tolist()
+            return picks, None, None, self._greedy_confidence(logits, picks)
+        ids, probs = self._top_m(warp_probs(logits, dparams))
+        local = sample(probs, generators).unsqueeze(1)
+        return ids.gather(1, local).squeeze(1).tolist(), ids, probs, probs.gather(
+            1, local).squeeze(1)
+
+    def _finish(self, inp: ProposeInput, s: _DraftSeq, tokens: list[int],
+                q_ids: list[torch.Tensor], q_probs: list[torch.Tensor]) -> Proposal:
+        # The last guess was never fed back, so the cache holds context + k - 1 tokens.
+        s.cached = len(inp.context) + len(tokens) - 1
+        s.base, s.guesses = len(inp.context), tokens
+        one_hot = self.sampling == "greedy" or inp.params.greedy or not q_probs
+        return Proposal(tokens) if one_hot else Proposal(
+            tokens, torch.stack(q_ids).to(torch.int32), torch.stack(q_probs))
 
     def _top_m(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The distribution guesses are drawn from, as (ids, probs) [R, m]."""

@@ -66,26 +66,42 @@ def rejection_sample(
     if greedy is None:
         greedy = torch.zeros(B, dtype=torch.bool, device=device)
     x = draft_token_ids.clamp(min=0)
+    u = _uniforms(num_draft, k + 1, generator, device)
+    target_argmax = target_probs.argmax(-1)  # [B, k+1]
+    num_accepted = _accepted_counts(x, draft_probs, target_probs, target_argmax, u[:, :k],
+                                    num_draft, greedy)
+    final = _final_token(x, draft_probs, target_probs, target_argmax, u[:, k], num_accepted,
+                         num_draft, greedy)
+    rows = torch.arange(B, device=device)
+    out = torch.full((B, k + 1), PLACEHOLDER, dtype=torch.long, device=device)
+    keep = torch.arange(k, device=device).unsqueeze(0) < num_accepted.unsqueeze(1)
+    out[:, :k] = torch.where(keep, x, out[:, :k])
+    out[rows, num_accepted] = final
+    return out, num_accepted + 1
+
+
+def _accepted_counts(x, draft_probs, target_probs, target_argmax, u, num_draft, greedy):
+    """How many of each row's guesses are kept: the index of the first rejected one."""
+    k = x.shape[1]
     p_draft = target_probs[:, :k].gather(-1, x.unsqueeze(-1)).squeeze(-1)  # p_i(x_i)  [B, k]
     if draft_probs is None:
         q_draft = torch.ones_like(p_draft)
     else:
         q_draft = draft_probs.gather(-1, x.unsqueeze(-1)).squeeze(-1)
-
-    u = _uniforms(num_draft, k + 1, generator, device)
     # u * q < p  <=>  u < p / q, without dividing by a q that rounding made zero.
-    accept = u[:, :k] * q_draft < p_draft
-    target_argmax = target_probs.argmax(-1)  # [B, k+1]
+    accept = u * q_draft < p_draft
     accept = torch.where(greedy.unsqueeze(1), x == target_argmax[:, :k], accept)
-    positions = torch.arange(k, device=device).unsqueeze(0)
-    accept &= positions < num_draft.unsqueeze(1)
-    # Number kept = index of the first failure (or num_draft when none fails).
-    num_accepted = torch.cumprod(accept.long(), dim=1).sum(1)
-    rejected = num_accepted < num_draft
+    accept &= torch.arange(k, device=x.device).unsqueeze(0) < num_draft.unsqueeze(1)
+    return torch.cumprod(accept.long(), dim=1).sum(1)
 
-    # The one token drawn by the target at position num_accepted: a residual draw after a
-    # rejection, a bonus draw from p_{k+1} after a full acceptance.
-    rows = torch.arange(B, device=device)
+
+def _final_token(x, draft_probs, target_probs, target_argmax, u, num_accepted, num_draft,
+                 greedy):
+    """The one token drawn by the target at position num_accepted: a residual draw after a
+    rejection, a bonus draw from p_{k+1} after a full acceptance."""
+    B, k = x.shape
+    rows = torch.arange(B, device=x.device)
+    rejected = num_accepted < num_draft
     p_at = target_probs[rows, num_accepted]  # [B, V]
     q_at = torch.zeros_like(p_at)  # q where the rejection happened (unused otherwise)
     if k:
@@ -99,11 +115,5 @@ def rejection_sample(
     # A residual that rounding emptied (p == q up to float error) falls back to p.
     empty = dist.sum(-1) <= 0
     dist = torch.where(empty.unsqueeze(1), p_at, dist)
-    drawn = draw_with_uniform(dist, u[:, k])
-    final = torch.where(greedy, target_argmax[rows, num_accepted], drawn)
-
-    out = torch.full((B, k + 1), PLACEHOLDER, dtype=torch.long, device=device)
-    keep = positions < num_accepted.unsqueeze(1)
-    out[:, :k] = torch.where(keep, x, out[:, :k])
-    out[rows, num_accepted] = final
-    return out, num_accepted + 1
+    drawn = draw_with_uniform(dist, u)
+    return torch.where(greedy, target_argmax[rows, num_accepted], drawn)

@@ -6,8 +6,9 @@ few tokens: what the target kept and its own token). The sampling parameters cro
 with a sequence's first message. Proposals come back as token ids and, for sampled rows,
 the draft's top-m distribution as m (id, prob) pairs per guess, never a vocabulary row.
 
-`payload_bytes` measures what a message costs on the wire (pickle protocol 5, as Ray's
-serializer sends it) so benchmarks can report bytes per step.
+Messages to and from a shard cross as one `pack`ed blob (pickle protocol 5, what Ray's
+serializer would make of them), so the bytes a step costs on the wire are counted for free
+from the blob that is sent, instead of pickling it a second time only to measure it.
 """
 
 from __future__ import annotations
@@ -101,5 +102,15 @@ class ContextReceiver:
         self._params.pop(seq_id, None)
 
 
+def pack(obj) -> bytes:
+    return pickle.dumps(obj, protocol=5)
+
+
+def unpack(blob: bytes):
+    # Only ever a blob that our own shard or engine packed (as Ray itself unpickles calls).
+    return pickle.loads(blob)  # noqa: S301
+
+
 def payload_bytes(obj) -> int:
-    return len(pickle.dumps(obj, protocol=5))
+    """What `obj` would cost on the wire (for tests and benchmarks; the path counts blobs)."""
+    return len(pack(obj))
