@@ -14,6 +14,7 @@ from specdec.engine.request import Request
 from specdec.model.decoder import Decoder
 from specdec.model.generate import plain_generate
 from specdec.model.sampling import SamplingParams
+from specdec.model.static_step import with_step
 from specdec.spec_decode.proposers import DraftModelProposer, NgramProposer
 from specdec.spec_decode.target_runner import LocalTargetRunner
 
@@ -33,12 +34,15 @@ def make_engine(target_path, draft_path=None, slots=8, max_len=192,
                 draft_sampling="probabilistic", eos_ids=(), tokenizer=None,
                 config: EngineConfig | None = None, draft_vocab_limit=None,
                 draft_confidence=None, q_top_m=None, proposer_cls=DraftModelProposer,
-                overlap="off") -> Engine:
+                overlap="off", step="eager") -> Engine:
+    """step: how both models run each forward (specdec/model/static_step.py)."""
     proposers = {"ngram": NgramProposer(1, 3)}
     if draft_path is not None:
-        proposers["draft"] = proposer_cls(load(draft_path), slots, max_len, draft_sampling,
-                                          draft_vocab_limit, draft_confidence, q_top_m)
-    return Engine(LocalTargetRunner(load(target_path), slots, max_len), proposers,
+        proposers["draft"] = proposer_cls(with_step(load(draft_path), step), slots, max_len,
+                                          draft_sampling, draft_vocab_limit, draft_confidence,
+                                          q_top_m)
+    return Engine(LocalTargetRunner(with_step(load(target_path), step), slots, max_len),
+                  proposers,
                   tokenizer, eos_ids, config, overlap=overlap)
 
 

@@ -30,6 +30,7 @@ from specdec.model.decoder import Decoder
 from specdec.model.openmp import omp_max_threads
 from specdec.model.parallel import Group, LeaderDecoder, follow
 from specdec.model.sharding import ShardSpec
+from specdec.model.static_step import with_step
 from specdec.pack.hub import resolve
 from specdec.spec_decode.proposers import DEFAULT_Q_TOP_M, DraftModelProposer
 from specdec.spec_decode.target_runner import (
@@ -97,6 +98,8 @@ class ModelShard:
                                         ShardSpec(self.rank, self.world), vocab_limit=limit)
         load_s = time.perf_counter() - t_load
         self.group.attach(local)
+        # Every rank runs the same step (same buckets), so their collectives line up.
+        local = with_step(local, self.extra.get("step", "eager"))
         cache = local.new_cache(self.max_slots, self.max_len)
         self.local, self.cache = local, cache
         if self.rank == 0:

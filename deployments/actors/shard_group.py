@@ -31,7 +31,7 @@ class ShardGroup:
                  bundle_indices: list[int] | None = None, extra: dict | None = None) -> None:
         self.role, self.cfg, self.runtime = role, cfg, runtime
         self.pg, self.bundles = placement_group, bundle_indices
-        self.extra = extra or {}
+        self.extra = {"step": cfg.step, **(extra or {})}
         self.actors: list = []
         self.followers: list = []
         self.stats: list[dict] = []

@@ -28,6 +28,7 @@ from specdec.model.config import DecoderConfig
 from specdec.model.decoder import Decoder
 from specdec.model.sampling import SamplingParams
 from specdec.model.sharding import ShardSpec
+from specdec.model.static_step import with_step
 from specdec.pack import hub
 from specdec.pack.tokenizer import IncompatibleDraft, check_same_tokenizer, load_tokenizer
 from specdec.policy.decide import Decision
@@ -125,12 +126,13 @@ class LocalBackend:
             raise ConfigError("target.tp: tensor parallelism needs the Ray backend "
                               "(`specdec generate --tp N`, or the Serve app)")
         self._threads(spec)
-        model = Decoder.from_checkpoint(path, spec.target.dtype, self.device)
+        model = with_step(Decoder.from_checkpoint(path, spec.target.dtype, self.device),
+                          spec.target.step)
         return LocalTargetRunner(model, spec.runtime.max_slots, spec.runtime.max_len)
 
     def draft(self, spec: EngineSpec, path: Path) -> Proposer:
         d = spec.draft
-        model = Decoder.from_checkpoint(path, d.dtype, self.device)
+        model = with_step(Decoder.from_checkpoint(path, d.dtype, self.device), d.step)
         proposer = DraftModelProposer(model, spec.runtime.max_slots, spec.runtime.max_len,
                                       d.sampling, d.vocab_limit, d.confidence_threshold,
                                       d.q_top_m)

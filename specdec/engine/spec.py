@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specdec.engine.state import MAX_TOKENS_PER_STEP, MAX_WAITING
+from specdec.model.static_step import StepMode
 from specdec.model.weight_format import BATCH_DEPENDENT, FORMATS
 from specdec.policy.settings import PolicySettings
 from specdec.spec_decode.proposers import DEFAULT_Q_TOP_M
@@ -67,6 +68,12 @@ class ModelGroupConfig(BaseModel):
                                       description="What each rank's actor reserves from Ray.")
     threads: int | None = Field(None, ge=1, le=1024, description="Threads per rank for CPU "
                                 "matmuls; default: the rank's num_cpus (at least 1).")
+    step: StepMode = Field("eager", description=(
+        "How each decode, verify or draft forward runs. eager: the ragged forward, its "
+        "shapes built per step. static: fixed buffers per bucket of rows x query length x "
+        "keys, padded rows writing a scratch slot (the form capture needs). compiled: the "
+        "static step through torch.compile, one graph per bucket, compiled on first use. "
+        "Prefill chunks and batch-invariant formats (int8, w8a8) always run eager."))
 
     def threads_per_rank(self) -> int:
         return self.threads or max(1, math.floor(self.resources.num_cpus))

@@ -23,10 +23,11 @@ def tiny_gqa6(tmp_path_factory):
                                 num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
 
 
-def run_group(ckpt, world, seqs, tmp_path, vocab_limit=None):
+def run_group(ckpt, world, seqs, tmp_path, vocab_limit=None, step="eager"):
     port = free_port()
     result = tmp_path / f"tp{world}.pt"
-    mp.start_processes(run_rank, args=(world, port, str(ckpt), seqs, str(result), vocab_limit),
+    mp.start_processes(run_rank, args=(world, port, str(ckpt), seqs, str(result), vocab_limit,
+                                       step),
                        nprocs=world, join=True, start_method="spawn")
     return torch.load(result)
 
@@ -52,6 +53,19 @@ def test_tp_logits_equal_single_process(world, fixture, request, tmp_path):
         # Greedy forwards: the distributed argmax (slice maxima, no logits gathered).
         ids = got[f"{mode}:argmax"]
         assert ids.dtype == torch.long and torch.equal(ids, e.argmax(-1)), mode
+
+
+@pytest.mark.parametrize("world,fixture", [(2, "tiny_qwen2"), (3, "tiny_gqa6")])
+def test_tp_static_step_equals_single_process_eager(world, fixture, request, tmp_path):
+    """Every rank runs the static step (same buckets, so the all_reduces line up), padded
+    rows included (the scenario's three-row batch is a bucket of four)."""
+    ckpt = request.getfixturevalue(fixture)
+    expected = local_logits(ckpt, SEQS)
+    got = run_group(ckpt, world, SEQS, tmp_path, step="static")
+    for mode, e in expected.items():
+        diff = (got[mode] - e).abs().max().item()
+        assert diff <= 1e-4, f"TP={world} static {mode}: max abs diff {diff}"
+        assert torch.equal(got[f"{mode}:argmax"], e.argmax(-1)), mode
 
 
 def test_kv_heads_are_replicated_where_ranks_straddle_groups():

@@ -1,0 +1,113 @@
+"""Step times of the eager ragged forward against the static step (fixed buffers, padded
+buckets: specdec/model/static_step.py), run eagerly and through torch.compile, for the
+config's target and draft in their configured formats.
+
+    .venv/bin/python -m benchmarks.static_step [--rows 1 4] [--query 1 4] [--rounds 5]
+
+Each model holds `--context` tokens in every slot; a measured step runs `rows` rows of
+`query` tokens at the end of their context (a decode step at query 1, a verify of k = query
+- 1), rolled back after each step so every step of a cell has the same bucket. The modes
+alternate round by round so the machine's drift hits them alike; each cell is the median
+over rounds of the median step in the round. A batch-invariant format (the CPU target's
+int8) keeps the eager path inside the static decoder, so its rows are said to be eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from benchmarks.table import print_table
+from specdec.engine.spec import EngineSpec
+from specdec.model.batch import BatchInput
+from specdec.model.decoder import Decoder
+from specdec.model.static_step import StaticDecoder
+from specdec.pack import hub
+from specdec.progress import Progress
+
+
+def _models(spec: EngineSpec) -> list[tuple[str, str, str]]:
+    out = [("target", spec.target.model, spec.target.dtype)]
+    if spec.draft is not None:
+        out.append(("draft", spec.draft.model, spec.draft.dtype))
+    return out
+
+
+def _time_steps(fn, cache, rows: list[tuple[int, int, list[int]]], steps: int) -> float:
+    """Median ms of `steps` forwards of the same batch (each overwrites the last: rollback)."""
+    batch = BatchInput.build(rows)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        fn(batch, cache)
+        times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times)
+
+
+def _cell(model: Decoder, modes: dict, n_rows: int, query: int, args, progress) -> list[dict]:
+    caches = {name: m.new_cache(n_rows, args.context + 16) for name, m in modes.items()}
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 1000, (args.context,), generator=g).tolist()
+    for cache in caches.values():
+        for slot in range(n_rows):
+            model(BatchInput.build([(slot, 0, prompt)]), cache)
+    rows = [(s, args.context, [7] * query) for s in range(n_rows)]
+    first = {}
+    for name, m in modes.items():  # the first call of a bucket: the compile, if any
+        t = time.perf_counter()
+        m(BatchInput.build(rows), caches[name])
+        first[name] = time.perf_counter() - t
+    per_round: dict[str, list[float]] = {name: [] for name in modes}
+    for _ in range(args.rounds):
+        for name, m in modes.items():
+            per_round[name].append(_time_steps(m, caches[name], rows, args.steps))
+            progress.advance()
+    eager = statistics.median(per_round["eager"])
+    return [{"rows": n_rows, "query": query, "mode": name,
+             "step_ms": statistics.median(v), "q1": min(v), "q3": max(v),
+             "vs_eager": eager / statistics.median(v), "first_call_s": first[name]}
+            for name, v in per_round.items()]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="serve_config.yaml")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--query", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--only", choices=["target", "draft"], default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    spec = EngineSpec.from_config_file(args.config)
+    models = [m for m in _models(spec) if args.only in (None, m[0])]
+    cells = len(models) * len(args.rows) * len(args.query)
+    progress = Progress("static step", total=cells * 3 * args.rounds, unit=" rounds")
+    table = []
+    for role, name, dtype in models:
+        model = Decoder.from_checkpoint(hub.resolve(name), dtype)
+        eager_inside = model.format.per_row
+        modes = {"eager": model, "static": StaticDecoder(model),
+                 "compiled": StaticDecoder(model, compile=True)}
+        for n_rows in args.rows:
+            for query in args.query:
+                for r in _cell(model, modes, n_rows, query, args, progress):
+                    table.append({"model": f"{role} ({dtype})", **r,
+                                  "path": "eager (batch-invariant format)"
+                                  if eager_inside and r["mode"] != "eager" else r["mode"]})
+    progress.close()
+    print_table(table, ["model", "rows", "query", "mode", "path", "step_ms", "q1", "q3",
+                        "vs_eager", "first_call_s"],
+                title=f"{args.config}: one forward, {args.context} tokens of context, median "
+                      f"of {args.rounds} rounds x {args.steps} steps (q1/q3: round min/max)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""A decode, verify or draft forward over fixed buffers: every shape is fixed per bucket.
+
+`Decoder.forward` takes a ragged batch and builds its index maths on the host each step: its
+shapes change with every row count, query length and context length, so nothing can be
+captured or compiled once and replayed. This step is the same forward as a pure function of
+preallocated buffers (token ids, positions, where each token's K/V goes, each row's slot)
+and the KV cache, with the batch padded to a bucket:
+
+- rows rounded up to a power of two; padded rows, and the padded tail of a row shorter than
+  the bucket's query length (a plain row beside k+1-token verify rows), write their K/V into
+  a scratch slot no sequence owns, and their outputs are dropped;
+- the query length is the batch's longest (1 for decode, k+1 for verify);
+- the key axis is rounded up to a power of two (at least `MIN_KEYS`): keys past a query's
+  own position are masked, so a rolled-back slot's stale entries stay invisible exactly as
+  in the eager path (O(1) rollback: the next forward overwrites them).
+
+Within one bucket every step has the same shapes and the same buffer addresses, which is
+what `torch.compile` (no recompile) and CUDA graph replay need. The result equals the eager
+ragged forward up to float reassociation (tests/model/test_static_step.py states the
+tolerance); batch-invariant formats (`per_row`, whose tokens each attend alone so a row's
+logits never depend on its neighbours) keep the eager path, since a padded grid would break
+that invariance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from specdec.model.batch import BatchInput
+from specdec.model.decoder import Decoder, _rms_norm, _rotate_half
+from specdec.model.kv_cache import KVCache
+
+StepMode = Literal["eager", "static", "compiled"]
+
+MIN_KEYS = 64
+MAX_QUERY = 9  # longest static query: a verify of k = 8; longer (prefill chunks) runs eager
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    rows: int
+    query: int
+    keys: int
+
+    @classmethod
+    def of(cls, batch: BatchInput, max_len: int) -> Bucket:
+        return cls(_power_of_two(batch.num_rows), batch.max_query,
+                   min(max_len, _power_of_two(max(batch.kv_len, MIN_KEYS))))
+
+
+class StepBuffers:
+    """One bucket's inputs, allocated once; every step refills them in place."""
+
+    def __init__(self, bucket: Bucket, scratch_slot: int, device: torch.device) -> None:
+        n = bucket.rows * bucket.query
+        self.bucket, self.scratch = bucket, scratch_slot
+
+        def longs(size: int) -> torch.Tensor:
+            return torch.zeros(size, dtype=torch.long, device=device)
+
+        self.token_ids, self.positions = longs(n), longs(n)
+        self.write_slot, self.write_pos, self.slots = longs(n), longs(n), longs(bucket.rows)
+
+    def fill(self, batch: BatchInput) -> torch.Tensor:
+        """Copy a ragged batch in (device ops only: no host sync); returns each flat token's
+        index in the padded [rows * query] layout."""
+        q = self.bucket.query
+        idx = batch.row_of_token * q + batch.col_of_token
+        self.token_ids.zero_().index_copy_(0, idx, batch.token_ids)
+        self.positions.fill_(-1).index_copy_(0, idx, batch.positions)
+        self.write_slot.fill_(self.scratch).index_copy_(0, idx, batch.slot_of_token)
+        self.write_pos.zero_().index_copy_(0, idx, batch.positions)
+        self.slots.fill_(self.scratch)[: batch.num_rows].copy_(batch.slots)
+        return idx
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.token_ids, self.positions, self.write_slot, self.write_pos, self.slots
+
+
+def static_forward(model: Decoder, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, token_ids: torch.Tensor,
+                   positions: torch.Tensor, write_slot: torch.Tensor, write_pos: torch.Tensor,
+                   slots: torch.Tensor, rows: int, query: int, keys: int, argmax: bool
+                   ) -> torch.Tensor:
+    """Logits [rows * query, vocab] (argmax: ids [rows * query]) of every padded position.
+    A pure function of its tensor arguments and the model's weights; shapes depend only on
+    (rows, query, keys)."""
+    x = model.embed[token_ids].to(model.dtype)
+    at = positions.clamp(min=0)
+    cos_t, sin_t = cos[at].unsqueeze(1), sin[at].unsqueeze(1)  # [T, 1, D]
+    qpos = positions.view(rows, query, 1)
+    mask = torch.arange(keys, device=positions.device).view(1, 1, keys) <= qpos
+    # Padding queries see key 0 only, so softmax stays finite; their output is dropped.
+    mask = mask | ((qpos < 0) & (torch.arange(keys, device=positions.device) == 0))
+    mask = mask.unsqueeze(1)  # [rows, 1, query, keys]
+    for i, layer in enumerate(model.layers):
+        h = _rms_norm(x, layer.w["in_norm"], layer.eps)
+        x = x + _attention(model, i, layer, h, k_cache, v_cache, cos_t, sin_t, write_slot,
+                           write_pos, slots, mask, rows, query, keys)
+        h = _rms_norm(x, layer.w["post_norm"], layer.eps)
+        gate, up = layer.w["gate_up"](h).chunk(2, dim=-1)
+        out = model.all_reduce(layer.w["down"](F.silu(gate) * up))
+        x = x + (out if layer.w["down_b"] is None else out + layer.w["down_b"])
+    h = _rms_norm(x, model.norm, model.cfg.rms_norm_eps)
+    logits = model.lm_head(h).float()
+    if model.shard.world > 1:
+        return model.argmax_vocab(logits) if argmax else model.gather_vocab(logits)
+    return logits.argmax(-1) if argmax else logits
+
+
+def _attention(model, i, layer, h, k_cache, v_cache, cos_t, sin_t, write_slot, write_pos,
+               slots, mask, rows, query, keys) -> torch.Tensor:
+    D, nq, nkv = layer.head_dim, layer.n_q, layer.n_kv
+    qkv = layer.w["qkv"](h)
+    q = qkv[:, : nq * D].view(-1, nq, D)
+    k = qkv[:, nq * D: (nq + nkv) * D].view(-1, nkv, D)
+    v = qkv[:, (nq + nkv) * D:].view(-1, nkv, D)
+    q = q * cos_t + _rotate_half(q) * sin_t
+    k = k * cos_t + _rotate_half(k) * sin_t
+    k_cache[i].index_put_((write_slot, write_pos), k)
+    v_cache[i].index_put_((write_slot, write_pos), v)
+    kk = k_cache[i, :, :keys].index_select(0, slots).transpose(1, 2)  # [rows, heads, keys, D]
+    vv = v_cache[i, :, :keys].index_select(0, slots).transpose(1, 2)
+    if layer.kv_gather is not None:
+        kk, vv = kk[:, layer.kv_gather], vv[:, layer.kv_gather]
+    out = F.scaled_dot_product_attention(
+        q.view(rows, query, nq, D).transpose(1, 2), kk, vv, attn_mask=mask,
+        enable_gqa=layer.kv_gather is None and nq != nkv)
+    out = model.all_reduce(layer.w["o"](out.transpose(1, 2).reshape(rows * query, nq * D)))
+    return out if layer.w["o_b"] is None else out + layer.w["o_b"]
+
+
+StepFn = Callable[..., torch.Tensor]
+
+
+class StaticDecoder:
+    """Called like a `Decoder` (same arguments, same results): batches that fit a bucket run
+    `static_forward` over that bucket's buffers, optionally through `torch.compile`; the
+    rest (prefill chunks, batch-invariant formats) run the model's eager forward.
+
+    Its caches carry one slot more than asked for: the scratch slot padded tokens write to.
+    """
+
+    def __init__(self, model: Decoder, compile: bool = False, backend="inductor") -> None:
+        self.model = model
+        self.cfg, self.device, self.dtype = model.cfg, model.device, model.dtype
+        self.format, self.vocab_out = model.format, model.vocab_out
+        self.compiled, self.backend = compile, backend
+        # fullgraph: a graph break would silently leave the step half-eager; dynamic=False:
+        # one specialised graph per bucket, which is what capture replays.
+        self._fn: StepFn = torch.compile(static_forward, fullgraph=True, dynamic=False,
+                                         backend=backend) if compile else static_forward
+        self._buffers: dict[tuple[Bucket, int], StepBuffers] = {}
+        self.static_steps = self.eager_steps = 0
+
+    def limit_vocab(self, n: int) -> StaticDecoder:
+        return StaticDecoder(self.model.limit_vocab(n), self.compiled, self.backend)
+
+    def weight_bytes(self) -> int:
+        return self.model.weight_bytes()
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        return self.model.new_cache(num_slots + 1, max_len)
+
+    def fits(self, batch: BatchInput) -> bool:
+        return batch.max_query <= MAX_QUERY and not self.model.format.per_row
+
+    @torch.inference_mode()
+    def __call__(self, batch: BatchInput, cache: KVCache,
+                 logit_indices: torch.Tensor | None = None, argmax: bool = False
+                 ) -> torch.Tensor:
+        if not self.fits(batch):
+            self.eager_steps += 1
+            return self.model(batch, cache, logit_indices, argmax=argmax)
+        if batch.kv_len > cache.max_len:
+            raise ValueError(f"sequence length {batch.kv_len} exceeds the cache ({cache.max_len})")
+        bucket = Bucket.of(batch, cache.max_len)
+        scratch = cache.num_slots - 1
+        buffers = self._buffers.get((bucket, scratch))
+        if buffers is None:
+            buffers = self._buffers[(bucket, scratch)] = StepBuffers(bucket, scratch,
+                                                                      self.device)
+        idx = buffers.fill(batch)
+        rotary = self.model._rotary_for(cache.max_len)
+        out = self._fn(self.model, cache.k, cache.v, rotary.cos, rotary.sin,
+                       *buffers.tensors(), bucket.rows, bucket.query, bucket.keys, argmax)
+        self.static_steps += 1
+        if out.shape[0] == 0:  # a tensor-parallel follower: rank 0 holds the results
+            return out
+        if logit_indices is None:
+            logit_indices = batch.last_token_indices()
+        return out[idx[logit_indices]]
+
+    forward = __call__
+
+
+def with_step(model: Decoder, step: StepMode) -> Decoder | StaticDecoder:
+    """The model as its config's `step` runs it (eager: itself)."""
+    return model if step == "eager" else StaticDecoder(model, compile=step == "compiled")

@@ -1,0 +1,139 @@
+"""The static step (fixed buffers, padded buckets) equals the eager ragged forward, replays
+over the same buffers, and compiles into one graph per bucket without recompiling."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.model.batch import BatchInput
+from specdec.model.decoder import Decoder
+from specdec.model.static_step import Bucket, StaticDecoder
+
+# fp32, two layers: the padded grid's longer key axis reassociates the softmax sums.
+ATOL = 2e-5
+
+
+def _pair(path):
+    model = Decoder.from_checkpoint(path, torch.float32)
+    static = StaticDecoder(model)
+    return model, model.new_cache(4, 128), static, static.new_cache(4, 128)
+
+
+def _both(model, cache, static, scache, rows, every_token=True):
+    batch = BatchInput.build(rows)
+    idx = torch.arange(batch.token_ids.numel()) if every_token else None
+    return model(batch, cache, idx), static(batch, scache, idx)
+
+
+def _close(eager: torch.Tensor, static: torch.Tensor) -> None:
+    diff = (eager - static).abs().max().item()
+    assert diff <= ATOL, f"max abs logit difference {diff} > {ATOL}"
+    assert torch.equal(eager.argmax(-1), static.argmax(-1))
+
+
+def test_static_equals_eager_plain_verify_mixed_and_rollback(tiny_checkpoint):
+    model, cache, static, scache = _pair(tiny_checkpoint)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (7, 12, 5)]
+    # Prefill (longer than any static query: the static decoder runs it eager), then the
+    # steps under test.
+    _both(model, cache, static, scache, [(s, 0, p) for s, p in zip((2, 0, 3), prompts, strict=True)])
+    lens = {2: 7, 0: 12, 3: 5}
+
+    def step(rows):
+        e, s = _both(model, cache, static, scache, rows)
+        _close(e, s)
+        for slot, start, toks in rows:
+            lens[slot] = start + len(toks)
+
+    # Plain decode: three rows, a bucket of four (one padded row).
+    step([(s, lens[s], [9]) for s in (2, 0, 3)])
+    # Verify: every row k + 1 = 4 tokens.
+    step([(s, lens[s], [4, 5, 6, 7]) for s in (2, 0, 3)])
+    # Mixed: a plain row beside verify rows (its tail padded to the query length).
+    step([(2, lens[2], [11]), (0, lens[0], [12, 13, 14]), (3, lens[3], [15, 16, 17, 18])])
+    # Rollback: slot 0 back by three tokens, new ones written over the stale entries.
+    step([(0, lens[0] - 3, [20, 21]), (3, lens[3], [22])])
+    # One row alone, default logit positions (each row's last token).
+    e, s = _both(model, cache, static, scache, [(2, lens[2], [30, 31])], every_token=False)
+    _close(e, s)
+    assert static.static_steps == 5 and static.eager_steps == 1  # the prefill
+    # Padded rows and padded tails wrote only the scratch slot: the real slots' K/V agree.
+    for slot, n in lens.items():
+        assert torch.allclose(cache.k[:, slot, :n], scache.k[:, slot, :n], atol=ATOL)
+        assert torch.allclose(cache.v[:, slot, :n], scache.v[:, slot, :n], atol=ATOL)
+
+
+def test_greedy_argmax_path_matches(tiny_llama):
+    model, cache, static, scache = _pair(tiny_llama)
+    for c in (cache, scache):
+        model(BatchInput.build([(0, 0, [5, 6, 7, 8]), (1, 0, [9, 10])]), c)
+    rows = [(0, 4, [11, 12, 13]), (1, 2, [14])]
+    batch = BatchInput.build(rows)
+    idx = torch.arange(4)
+    assert torch.equal(model(batch, cache, idx, argmax=True),
+                       static(batch, scache, idx, argmax=True))
+
+
+def test_buckets_round_rows_and_keys():
+    b = BatchInput.build([(0, 70, [1]), (1, 3, [1, 2, 3])])
+    assert Bucket.of(b, 512) == Bucket(rows=2, query=3, keys=128)
+    b = BatchInput.build([(0, 0, [1]), (1, 0, [1]), (2, 0, [1])])
+    assert Bucket.of(b, 512) == Bucket(rows=4, query=1, keys=64)
+    assert Bucket.of(BatchInput.build([(0, 500, [1, 2])]), 512).keys == 512  # capped
+
+
+def test_replay_reuses_the_same_buffers(tiny_llama):
+    """Capture needs every step of a bucket to read and write the same addresses: the
+    buffers are refilled in place, never reallocated, and a replay over changed contents
+    gives the new contents' result."""
+    model, cache, static, scache = _pair(tiny_llama)
+    for c in (cache, scache):
+        model(BatchInput.build([(0, 0, [5, 6, 7]), (1, 0, [8, 9, 10])]), c)
+    static(BatchInput.build([(0, 3, [11]), (1, 3, [12])]), scache)
+    (buffers,) = static._buffers.values()
+    addresses = [t.data_ptr() for t in buffers.tensors()]
+    cache_addresses = (scache.k.data_ptr(), scache.v.data_ptr())
+    model(BatchInput.build([(0, 3, [11]), (1, 3, [12])]), cache)
+    for i, (a, b) in enumerate([(13, 14), (15, 16), (17, 18)]):
+        rows = [(0, 4 + i, [a]), (1, 4 + i, [b])]
+        e, s = _both(model, cache, static, scache, rows)
+        _close(e, s)
+        assert [t.data_ptr() for t in buffers.tensors()] == addresses
+        assert buffers.token_ids.tolist() == [a, b]
+    assert len(static._buffers) == 1
+    assert (scache.k.data_ptr(), scache.v.data_ptr()) == cache_addresses
+
+
+def test_compiled_step_one_graph_per_bucket_no_recompile(tiny_llama):
+    """fullgraph=True: a graph break raises. Steps of one bucket (rows, query, keys the
+    same; contents and positions changing) compile once; a new bucket compiles once more."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    model = Decoder.from_checkpoint(tiny_llama, torch.float32)
+    static = StaticDecoder(model, compile=True, backend=counter)
+    cache, scache = model.new_cache(4, 128), static.new_cache(4, 128)
+    for c in (cache, scache):
+        model(BatchInput.build([(0, 0, [5, 6, 7]), (1, 0, [8, 9, 10])]), c)
+    for i in range(4):
+        e, s = _both(model, cache, static, scache, [(0, 3 + i, [11 + i]), (1, 3 + i, [20 + i])])
+        _close(e, s)
+    assert counter.frame_count == 1
+    e, s = _both(model, cache, static, scache, [(0, 7, [1, 2, 3]), (1, 7, [4, 5, 6])])
+    _close(e, s)
+    assert counter.frame_count == 2
+
+
+def test_inductor_compiled_step_equals_eager(tiny_llama):
+    """The real compiler (inductor's generated C++ on CPU), not only the graph capture."""
+    torch._dynamo.reset()
+    model = Decoder.from_checkpoint(tiny_llama, torch.float32)
+    static = StaticDecoder(model, compile=True)
+    cache, scache = model.new_cache(4, 128), static.new_cache(4, 128)
+    for c in (cache, scache):
+        model(BatchInput.build([(0, 0, [5, 6, 7]), (1, 0, [8, 9, 10])]), c)
+    for i in range(3):
+        e, s = _both(model, cache, static, scache, [(0, 3 + i, [11 + i]), (1, 3 + i, [20 + i])])
+        _close(e, s)
