@@ -6,7 +6,9 @@ config's target and draft in their configured formats.
 
 Each model holds `--context` tokens in every slot; a measured step runs `rows` rows of
 `query` tokens at the end of their context (a decode step at query 1, a verify of k = query
-- 1), rolled back after each step so every step of a cell has the same bucket. The modes
+- 1), rolled back after each step so every step of a cell has the same bucket. A "mixed"
+cell has one plain row (1 token) beside rows - 1 verify rows: the pad layout pads the plain
+row to the query length, the flat layout puts every token on a row of its own. The modes
 alternate round by round so the machine's drift hits them alike; each cell is the median
 over rounds of the median step in the round. A batch-invariant format (the CPU target's
 int8) keeps the eager path inside the static decoder, so its rows are said to be eager.
@@ -49,14 +51,19 @@ def _time_steps(fn, cache, rows: list[tuple[int, int, list[int]]], steps: int) -
     return statistics.median(times)
 
 
-def _cell(model: Decoder, modes: dict, n_rows: int, query: int, args, progress) -> list[dict]:
+MODES = {"eager": None, "static": ("pad", False), "static-flat": ("flat", False),
+         "compiled": ("pad", True), "compiled-flat": ("flat", True)}
+
+
+def _cell(model: Decoder, modes: dict, n_rows: int, query: int, mixed: bool, args, progress
+          ) -> list[dict]:
     caches = {name: m.new_cache(n_rows, args.context + 16) for name, m in modes.items()}
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 1000, (args.context,), generator=g).tolist()
     for cache in caches.values():
         for slot in range(n_rows):
             model(BatchInput.build([(slot, 0, prompt)]), cache)
-    rows = [(s, args.context, [7] * query) for s in range(n_rows)]
+    rows = [(s, args.context, [7] * (1 if mixed and s == 0 else query)) for s in range(n_rows)]
     first = {}
     for name, m in modes.items():  # the first call of a bucket: the compile, if any
         t = time.perf_counter()
@@ -68,7 +75,8 @@ def _cell(model: Decoder, modes: dict, n_rows: int, query: int, args, progress) 
             per_round[name].append(_time_steps(m, caches[name], rows, args.steps))
             progress.advance()
     eager = statistics.median(per_round["eager"])
-    return [{"rows": n_rows, "query": query, "mode": name,
+    return [{"rows": n_rows, "query": query, "batch": "mixed" if mixed else "uniform",
+             "mode": name,
              "step_ms": statistics.median(v), "q1": min(v), "q3": max(v),
              "vs_eager": eager / statistics.median(v), "first_call_s": first[name]}
             for name, v in per_round.items()]
@@ -83,26 +91,30 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--only", choices=["target", "draft"], default=None)
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     spec = EngineSpec.from_config_file(args.config)
     models = [m for m in _models(spec) if args.only in (None, m[0])]
-    cells = len(models) * len(args.rows) * len(args.query)
-    progress = Progress("static step", total=cells * 3 * args.rounds, unit=" rounds")
+    shapes = [(n, q, mixed) for n in args.rows for q in args.query
+              for mixed in ((False, True) if n > 1 and q > 1 else (False,))]
+    modes_run = ["eager"] + [m for m in args.modes if m != "eager"]
+    progress = Progress("static step", total=len(models) * len(shapes) * len(modes_run)
+                        * args.rounds, unit=" rounds")
     table = []
     for role, name, dtype in models:
         model = Decoder.from_checkpoint(hub.resolve(name), dtype)
         eager_inside = model.format.per_row
-        modes = {"eager": model, "static": StaticDecoder(model),
-                 "compiled": StaticDecoder(model, compile=True)}
-        for n_rows in args.rows:
-            for query in args.query:
-                for r in _cell(model, modes, n_rows, query, args, progress):
-                    table.append({"model": f"{role} ({dtype})", **r,
-                                  "path": "eager (batch-invariant format)"
-                                  if eager_inside and r["mode"] != "eager" else r["mode"]})
+        modes = {m: model if MODES[m] is None else
+                 StaticDecoder(model, compile=MODES[m][1], layout=MODES[m][0])
+                 for m in modes_run}
+        for n_rows, query, mixed in shapes:
+            for r in _cell(model, modes, n_rows, query, mixed, args, progress):
+                table.append({"model": f"{role} ({dtype})", **r,
+                              "path": "eager (batch-invariant format)"
+                              if eager_inside and r["mode"] != "eager" else r["mode"]})
     progress.close()
-    print_table(table, ["model", "rows", "query", "mode", "path", "step_ms", "q1", "q3",
+    print_table(table, ["model", "rows", "query", "batch", "path", "step_ms", "q1", "q3",
                         "vs_eager", "first_call_s"],
                 title=f"{args.config}: one forward, {args.context} tokens of context, median "
                       f"of {args.rounds} rounds x {args.steps} steps (q1/q3: round min/max)")

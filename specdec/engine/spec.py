@@ -73,6 +73,8 @@ class ModelGroupConfig(BaseModel):
         "shapes built per step. static: fixed buffers per bucket of rows x query length x "
         "keys, padded rows writing a scratch slot (the form capture needs). compiled: the "
         "static step through torch.compile, one graph per bucket, compiled on first use. "
+        "captured (CUDA only): each bucket's static step captured once as a CUDA graph and "
+        "replayed, all buckets sharing one memory pool. "
         "Prefill chunks and batch-invariant formats (int8, w8a8) always run eager."))
 
     def threads_per_rank(self) -> int:

@@ -10,6 +10,9 @@ and the KV cache, with the batch padded to a bucket:
   the bucket's query length (a plain row beside k+1-token verify rows), write their K/V into
   a scratch slot no sequence owns, and their outputs are dropped;
 - the query length is the batch's longest (1 for decode, k+1 for verify);
+- `layout="flat"` instead puts every token on a row of its own (query length 1, the row's
+  slot and position its token's): no padded tails, one query length for every batch (fewer
+  graphs to compile), at the price of gathering keys once per token instead of per row;
 - the key axis is rounded up to a power of two (at least `MIN_KEYS`): keys past a query's
   own position are masked, so a rolled-back slot's stale entries stay invisible exactly as
   in the eager path (O(1) rollback: the next forward overwrites them).
@@ -35,10 +38,12 @@ from specdec.model.batch import BatchInput
 from specdec.model.decoder import Decoder, _rms_norm, _rotate_half
 from specdec.model.kv_cache import KVCache
 
-StepMode = Literal["eager", "static", "compiled"]
+StepMode = Literal["eager", "static", "compiled", "captured"]
+Layout = Literal["pad", "flat"]
 
 MIN_KEYS = 64
 MAX_QUERY = 9  # longest static query: a verify of k = 8; longer (prefill chunks) runs eager
+MAX_FLAT_TOKENS = 64  # the flat layout's limit on a batch's tokens (keys gathered per token)
 
 
 def _power_of_two(n: int) -> int:
@@ -84,6 +89,21 @@ class StepBuffers:
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.token_ids, self.positions, self.write_slot, self.write_pos, self.slots
+
+
+def flatten(batch: BatchInput) -> BatchInput:
+    """The same tokens, each on a row of its own at its own slot and position: a token still
+    sees the K/V its row's earlier tokens write in this forward (writes precede reads in
+    every layer), so the result is the ragged forward's."""
+    t = batch.token_ids.numel()
+    dev = batch.token_ids.device
+    return BatchInput(
+        token_ids=batch.token_ids, positions=batch.positions, slot_of_token=batch.slot_of_token,
+        slots=batch.slot_of_token, row_of_token=torch.arange(t, device=dev),
+        col_of_token=torch.zeros(t, dtype=torch.long, device=dev), query_lens=[1] * t,
+        starts=[s + j for s, n in zip(batch.starts, batch.query_lens, strict=True)
+                for j in range(n)],
+        max_query=1, kv_len=batch.kv_len)
 
 
 def static_forward(model: Decoder, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -150,8 +170,9 @@ class StaticDecoder:
     Its caches carry one slot more than asked for: the scratch slot padded tokens write to.
     """
 
-    def __init__(self, model: Decoder, compile: bool = False, backend="inductor") -> None:
-        self.model = model
+    def __init__(self, model: Decoder, compile: bool = False, backend="inductor",
+                 layout: Layout = "pad") -> None:
+        self.model, self.layout = model, layout
         self.cfg, self.device, self.dtype = model.cfg, model.device, model.dtype
         self.format, self.vocab_out = model.format, model.vocab_out
         self.compiled, self.backend = compile, backend
@@ -163,7 +184,8 @@ class StaticDecoder:
         self.static_steps = self.eager_steps = 0
 
     def limit_vocab(self, n: int) -> StaticDecoder:
-        return StaticDecoder(self.model.limit_vocab(n), self.compiled, self.backend)
+        return StaticDecoder(self.model.limit_vocab(n), self.compiled, self.backend,
+                             self.layout)
 
     def weight_bytes(self) -> int:
         return self.model.weight_bytes()
@@ -172,7 +194,11 @@ class StaticDecoder:
         return self.model.new_cache(num_slots + 1, max_len)
 
     def fits(self, batch: BatchInput) -> bool:
-        return batch.max_query <= MAX_QUERY and not self.model.format.per_row
+        if self.model.format.per_row or self.model.lm_head is None:
+            return False
+        if self.layout == "flat":
+            return batch.token_ids.numel() <= MAX_FLAT_TOKENS
+        return batch.max_query <= MAX_QUERY
 
     @torch.inference_mode()
     def __call__(self, batch: BatchInput, cache: KVCache,
@@ -183,6 +209,10 @@ class StaticDecoder:
             return self.model(batch, cache, logit_indices, argmax=argmax)
         if batch.kv_len > cache.max_len:
             raise ValueError(f"sequence length {batch.kv_len} exceeds the cache ({cache.max_len})")
+        if logit_indices is None:
+            logit_indices = batch.last_token_indices()
+        if self.layout == "flat":
+            batch = flatten(batch)  # the same flat token order: logit_indices still hold
         bucket = Bucket.of(batch, cache.max_len)
         scratch = cache.num_slots - 1
         buffers = self._buffers.get((bucket, scratch))
@@ -191,18 +221,26 @@ class StaticDecoder:
                                                                       self.device)
         idx = buffers.fill(batch)
         rotary = self.model._rotary_for(cache.max_len)
-        out = self._fn(self.model, cache.k, cache.v, rotary.cos, rotary.sin,
-                       *buffers.tensors(), bucket.rows, bucket.query, bucket.keys, argmax)
+        out = self._run((self.model, cache.k, cache.v, rotary.cos, rotary.sin,
+                         *buffers.tensors(), bucket.rows, bucket.query, bucket.keys, argmax),
+                        (bucket, buffers.scratch, argmax))
         self.static_steps += 1
         if out.shape[0] == 0:  # a tensor-parallel follower: rank 0 holds the results
             return out
-        if logit_indices is None:
-            logit_indices = batch.last_token_indices()
         return out[idx[logit_indices]]
 
     forward = __call__
 
+    def _run(self, args: tuple, key: tuple) -> torch.Tensor:
+        return self._fn(*args)
+
 
 def with_step(model: Decoder, step: StepMode) -> Decoder | StaticDecoder:
     """The model as its config's `step` runs it (eager: itself)."""
-    return model if step == "eager" else StaticDecoder(model, compile=step == "compiled")
+    if step == "eager":
+        return model
+    if step == "captured":
+        from specdec.model.cuda_graph import CapturedDecoder
+
+        return CapturedDecoder(model)
+    return StaticDecoder(model, compile=step == "compiled")

@@ -3,19 +3,20 @@ over the same buffers, and compiles into one graph per bucket without recompilin
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specdec.model.batch import BatchInput
 from specdec.model.decoder import Decoder
-from specdec.model.static_step import Bucket, StaticDecoder
+from specdec.model.static_step import Bucket, StaticDecoder, flatten
 
 # fp32, two layers: the padded grid's longer key axis reassociates the softmax sums.
 ATOL = 2e-5
 
 
-def _pair(path):
+def _pair(path, layout="pad"):
     model = Decoder.from_checkpoint(path, torch.float32)
-    static = StaticDecoder(model)
+    static = StaticDecoder(model, layout=layout)
     return model, model.new_cache(4, 128), static, static.new_cache(4, 128)
 
 
@@ -31,8 +32,9 @@ def _close(eager: torch.Tensor, static: torch.Tensor) -> None:
     assert torch.equal(eager.argmax(-1), static.argmax(-1))
 
 
-def test_static_equals_eager_plain_verify_mixed_and_rollback(tiny_checkpoint):
-    model, cache, static, scache = _pair(tiny_checkpoint)
+@pytest.mark.parametrize("layout", ["pad", "flat"])
+def test_static_equals_eager_plain_verify_mixed_and_rollback(tiny_checkpoint, layout):
+    model, cache, static, scache = _pair(tiny_checkpoint, layout)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (7, 12, 5)]
     # Prefill (longer than any static query: the static decoder runs it eager), then the
@@ -57,7 +59,8 @@ def test_static_equals_eager_plain_verify_mixed_and_rollback(tiny_checkpoint):
     # One row alone, default logit positions (each row's last token).
     e, s = _both(model, cache, static, scache, [(2, lens[2], [30, 31])], every_token=False)
     _close(e, s)
-    assert static.static_steps == 5 and static.eager_steps == 1  # the prefill
+    # The prefill (12 tokens of query; 24 tokens) runs eager in the pad layout only.
+    assert (static.static_steps, static.eager_steps) == ((5, 1) if layout == "pad" else (6, 0))
     # Padded rows and padded tails wrote only the scratch slot: the real slots' K/V agree.
     for slot, n in lens.items():
         assert torch.allclose(cache.k[:, slot, :n], scache.k[:, slot, :n], atol=ATOL)
@@ -73,6 +76,13 @@ def test_greedy_argmax_path_matches(tiny_llama):
     idx = torch.arange(4)
     assert torch.equal(model(batch, cache, idx, argmax=True),
                        static(batch, scache, idx, argmax=True))
+
+
+def test_flat_layout_puts_every_token_on_its_own_row():
+    b = flatten(BatchInput.build([(2, 5, [7]), (0, 3, [8, 9, 10])]))
+    assert b.slots.tolist() == [2, 0, 0, 0] and b.positions.tolist() == [5, 3, 4, 5]
+    assert b.query_lens == [1, 1, 1, 1] and b.starts == [5, 3, 4, 5] and b.kv_len == 6
+    assert Bucket.of(b, 512) == Bucket(rows=4, query=1, keys=64)
 
 
 def test_buckets_round_rows_and_keys():
