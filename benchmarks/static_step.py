@@ -42,17 +42,35 @@ def _models(spec: EngineSpec) -> list[tuple[str, str, str]]:
 
 def _time_steps(fn, cache, rows: list[tuple[int, int, list[int]]], steps: int) -> float:
     """Median ms of `steps` forwards of the same batch (each overwrites the last: rollback)."""
-    batch = BatchInput.build(rows)
+    batch = BatchInput.build(rows, cache.k.device)
     times = []
     for _ in range(steps):
         t = time.perf_counter()
         fn(batch, cache)
+        _sync(cache.k.device)
         times.append(1e3 * (time.perf_counter() - t))
     return statistics.median(times)
 
 
 MODES = {"eager": None, "static": ("pad", False), "static-flat": ("flat", False),
-         "compiled": ("pad", True), "compiled-flat": ("flat", True)}
+         "compiled": ("pad", True), "compiled-flat": ("flat", True),
+         "captured": ("pad", None)}  # CUDA graphs: CUDA only
+
+
+def _step_of(model: Decoder, mode: str):
+    if MODES[mode] is None:
+        return model
+    layout, compiled = MODES[mode]
+    if compiled is None:
+        from specdec.model.cuda_graph import CapturedDecoder
+
+        return CapturedDecoder(model)
+    return StaticDecoder(model, compile=compiled, layout=layout)
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _cell(model: Decoder, modes: dict, n_rows: int, query: int, mixed: bool, args, progress
@@ -62,12 +80,13 @@ def _cell(model: Decoder, modes: dict, n_rows: int, query: int, mixed: bool, arg
     prompt = torch.randint(100, 1000, (args.context,), generator=g).tolist()
     for cache in caches.values():
         for slot in range(n_rows):
-            model(BatchInput.build([(slot, 0, prompt)]), cache)
+            model(BatchInput.build([(slot, 0, prompt)], model.device), cache)
     rows = [(s, args.context, [7] * (1 if mixed and s == 0 else query)) for s in range(n_rows)]
     first = {}
     for name, m in modes.items():  # the first call of a bucket: the compile, if any
         t = time.perf_counter()
-        m(BatchInput.build(rows), caches[name])
+        m(BatchInput.build(rows, model.device), caches[name])
+        _sync(model.device)
         first[name] = time.perf_counter() - t
     per_round: dict[str, list[float]] = {name: [] for name in modes}
     for _ in range(args.rounds):
@@ -91,11 +110,18 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--only", choices=["target", "draft"], default=None)
-    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    ap.add_argument("--modes", nargs="+", choices=list(MODES),
+                    default=[m for m in MODES if m != "captured"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="both models' format (default: the config's)")
+    ap.add_argument("--target", default=None, help="a checkpoint instead of the config's")
+    ap.add_argument("--draft", default=None, help="a checkpoint instead of the config's")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     spec = EngineSpec.from_config_file(args.config)
-    models = [m for m in _models(spec) if args.only in (None, m[0])]
+    given = {"target": args.target, "draft": args.draft}
+    models = [(role, given[role] or name, args.dtype or dtype)
+              for role, name, dtype in _models(spec) if args.only in (None, role)]
     shapes = [(n, q, mixed) for n in args.rows for q in args.query
               for mixed in ((False, True) if n > 1 and q > 1 else (False,))]
     modes_run = ["eager"] + [m for m in args.modes if m != "eager"]
@@ -103,11 +129,9 @@ def main() -> int:
                         * args.rounds, unit=" rounds")
     table = []
     for role, name, dtype in models:
-        model = Decoder.from_checkpoint(hub.resolve(name), dtype)
+        model = Decoder.from_checkpoint(hub.resolve(name), dtype, args.device)
         eager_inside = model.format.per_row
-        modes = {m: model if MODES[m] is None else
-                 StaticDecoder(model, compile=MODES[m][1], layout=MODES[m][0])
-                 for m in modes_run}
+        modes = {m: _step_of(model, m) for m in modes_run}
         for n_rows, query, mixed in shapes:
             for r in _cell(model, modes, n_rows, query, mixed, args, progress):
                 table.append({"model": f"{role} ({dtype})", **r,

@@ -20,6 +20,13 @@ SPECDEC_TEST_DEVICE=cuda timeout 170 python3 -m pytest -q -p no:cacheprovider \
     tests/engine/test_engine_exactness.py tests/engine/test_engine_behaviour.py 2>&1 | tail -15
 echo "== the pair's architectures, random weights"
 timeout 170 python3 scripts/gpu_random_pair.py "$KIT" /tmp/rand
+echo "== exactness through the captured static step (CUDA graphs), fp32"
+SPECDEC_TEST_DEVICE=cuda SPECDEC_TEST_STEP=captured timeout 150 python3 -m pytest -q \
+    -p no:cacheprovider tests/engine/test_static_exactness.py 2>&1 | tail -8
+echo "== step ms: eager vs static vs captured, bf16, rows 1 8 32 x query 1 and k+1 = 4"
+timeout 170 python3 -m benchmarks.static_step --device cuda --dtype bfloat16 \
+    --target /tmp/rand/qwen15 --draft /tmp/rand/qwen05 --rows 1 8 32 --query 1 4 \
+    --modes eager static captured --rounds 3 --steps 10 2>&1 | grep -v "Loading weights"
 echo "== bench decode, bf16, batch 1 and 8"
 for b in 1 8; do
     timeout 110 python3 -m cli.main bench decode --device cuda --dtype bfloat16 \

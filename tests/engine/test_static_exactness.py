@@ -5,6 +5,7 @@ sampling, and a static step whose padding leaks into a real slot caught by the s
 from __future__ import annotations
 
 import collections
+import os
 
 import pytest
 from engine_helpers import (
@@ -22,6 +23,8 @@ from specdec.engine.request import Request
 from specdec.model.static_step import StepBuffers
 
 PROMPT_LENGTHS = (5, 9, 14)  # three rows: a bucket of four, one row padded
+# static here; the GPU check runs the same suite with SPECDEC_TEST_STEP=captured on CUDA.
+STEP = os.environ.get("SPECDEC_TEST_STEP", "static")
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -36,7 +39,7 @@ def test_static_greedy_speculation_is_token_identical(pair, k, draft_sampling):
     target, draft = pair
     prompts = random_prompts(PROMPT_LENGTHS, seed=k)
     expected = plain_reference(target, prompts)
-    engine = make_engine(target, draft, draft_sampling=draft_sampling, step="static")
+    engine = make_engine(target, draft, draft_sampling=draft_sampling, step=STEP)
     out = engine.run(requests(prompts, greedy(), "draft", k))
     for i, e in enumerate(expected):
         assert out[f"r{i}"].token_ids == e, f"prompt {i}, k={k}"
@@ -57,7 +60,7 @@ def _mixed(target, draft, step):
 
 
 def test_static_mixed_batch_plain_draft_ngram_at_once(pair):
-    out, expected = _mixed(*pair, "static")
+    out, expected = _mixed(*pair, STEP)
     for rid, e in zip(["plain", "draft3", "draft1", "ngram"], expected, strict=True):
         assert out[rid].token_ids == e, rid
 
@@ -72,7 +75,7 @@ def test_padding_written_into_a_real_slot_is_caught(pair, monkeypatch):
         self.scratch = 0
 
     monkeypatch.setattr(StepBuffers, "__init__", leaky)
-    out, expected = _mixed(*pair, "static")
+    out, expected = _mixed(*pair, STEP)
     assert any(out[rid].token_ids != e
                for rid, e in zip(["plain", "draft3", "draft1", "ngram"], expected, strict=True))
 
@@ -86,7 +89,7 @@ def test_static_sampled_first_three_tokens_follow_plain_distribution(tiny_llama,
                                    config=BIG_QUEUE, step=step)
 
     plain, _ = first_three_counts(factory("eager"), "none", 0, n, 1.0, 0)
-    spec, engine = first_three_counts(factory("static"), "draft", 2, n, 1.0, 10**6)
+    spec, engine = first_three_counts(factory(STEP), "draft", 2, n, 1.0, 10**6)
     totals = engine.totals["draft"]
     assert totals.accepted > 0.05 * totals.drafted
     assert engine.target.model.static_steps > 0
