@@ -27,6 +27,7 @@ import warnings
 
 import torch
 
+from specdec.model import opaque_op
 from specdec.model.linear import Linear
 
 
@@ -65,8 +66,12 @@ class DynamicInt8Linear(PackedInt8Linear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__(weight, bias)
         self._packed = pack_int8(weight, self.bias)
+        self.handle = opaque_op.register(self)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return opaque_op.call(self, x)
+
+    def eager(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
             x = x.float()
         # reduce_range: 7-bit activations, which FBGEMM's AVX2 kernels need to avoid

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specdec.model import opaque_op
+
 
 class Linear:
     """y = x W^T + b for one (possibly sharded) weight, whatever its storage."""
@@ -52,8 +54,12 @@ class PackedFp16Linear(Linear):
         w = weight.to(torch.float16).float().contiguous()
         self.bias = None if bias is None else bias.float()
         self._packed = torch.ops.quantized.linear_prepack_fp16(w, self.bias)
+        self.handle = opaque_op.register(self)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return opaque_op.call(self, x)
+
+    def eager(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
             x = x.float()
         return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)

@@ -106,6 +106,22 @@ def flatten(batch: BatchInput) -> BatchInput:
         max_query=1, kv_len=batch.kv_len)
 
 
+@torch.library.custom_op("specdec::kv_write", mutates_args=("k_cache", "v_cache"))
+def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int, slot: torch.Tensor,
+             pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Layer `layer`'s new K/V into the cache, in place. An op of its own because a compiled
+    graph that wrote a view of the cache directly would copy the whole cache back every
+    step (functionalised: the view's base is rebuilt); a declared in-place op is written
+    where it lies."""
+    k_cache[layer].index_put_((slot, pos), k)
+    v_cache[layer].index_put_((slot, pos), v)
+
+
+@kv_write.register_fake
+def _kv_write_shape(k_cache, v_cache, layer, slot, pos, k, v) -> None:
+    return None
+
+
 def static_forward(model: Decoder, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, token_ids: torch.Tensor,
                    positions: torch.Tensor, write_slot: torch.Tensor, write_pos: torch.Tensor,
@@ -146,8 +162,7 @@ def _attention(model, i, layer, h, k_cache, v_cache, cos_t, sin_t, write_slot, w
     v = qkv[:, (nq + nkv) * D:].view(-1, nkv, D)
     q = q * cos_t + _rotate_half(q) * sin_t
     k = k * cos_t + _rotate_half(k) * sin_t
-    k_cache[i].index_put_((write_slot, write_pos), k)
-    v_cache[i].index_put_((write_slot, write_pos), v)
+    kv_write(k_cache, v_cache, i, write_slot, write_pos, k, v)
     kk = k_cache[i, :, :keys].index_select(0, slots).transpose(1, 2)  # [rows, heads, keys, D]
     vv = v_cache[i, :, :keys].index_select(0, slots).transpose(1, 2)
     if layer.kv_gather is not None:

@@ -147,3 +147,42 @@ def test_inductor_compiled_step_equals_eager(tiny_llama):
     for i in range(3):
         e, s = _both(model, cache, static, scache, [(0, 3 + i, [11 + i]), (1, 3 + i, [20 + i])])
         _close(e, s)
+
+
+def test_fbgemm_packed_layers_compile_without_a_graph_break(tiny_llama):
+    """FBGEMM's packed weights are TorchScript objects a graph cannot hold: they cross as
+    the opaque specdec::packed_linear op (fullgraph=True raises on any break)."""
+    from torch._dynamo.testing import CompileCounter
+
+    for fmt in ("float16", "int8-dynamic"):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        model = Decoder.from_checkpoint(tiny_llama, fmt)
+        static = StaticDecoder(model, compile=True, backend=counter)
+        cache, scache = model.new_cache(2, 64), static.new_cache(2, 64)
+        for c in (cache, scache):
+            model(BatchInput.build([(0, 0, [5, 6, 7])]), c)
+        e, s = _both(model, cache, static, scache, [(0, 3, [11])])
+        assert counter.frame_count == 1 and counter.op_count > 0
+        # One row, no padding: the same kernels on the same numbers.
+        assert torch.allclose(e, s, atol=1e-4), fmt
+
+
+def test_compiled_graph_writes_the_cache_through_the_in_place_op(tiny_llama):
+    """A graph that wrote a view of the cache directly would be functionalised into a copy
+    of the whole cache every step; the K/V write must be the declared in-place op."""
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = Decoder.from_checkpoint(tiny_llama, torch.float32)
+    static = StaticDecoder(model, compile=True, backend=keep)
+    cache = static.new_cache(2, 64)
+    static(BatchInput.build([(0, 0, [5, 6, 7])]), cache)
+    (gm,) = graphs
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert sum("kv_write" in t for t in targets) == model.cfg.num_layers
+    assert not any("index_put" in t for t in targets)
