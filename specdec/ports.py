@@ -3,7 +3,8 @@
 import socket
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """host "": free on every interface (a rendezvous other nodes connect to)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]

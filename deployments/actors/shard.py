@@ -18,7 +18,6 @@ Follower ranks block the compute thread in follow(); pings use the "control" gro
 from __future__ import annotations
 
 import os
-import socket
 import time
 from typing import Any
 
@@ -32,6 +31,7 @@ from specdec.model.parallel import Group, LeaderDecoder, follow
 from specdec.model.sharding import ShardSpec
 from specdec.model.static_step import with_step
 from specdec.pack.hub import resolve
+from specdec.ports import free_port
 from specdec.spec_decode.proposers import DEFAULT_Q_TOP_M, DraftModelProposer
 from specdec.spec_decode.target_runner import (
     Head,
@@ -39,12 +39,6 @@ from specdec.spec_decode.target_runner import (
     Resolved,
 )
 from specdec.spec_decode.wire import ContextDelta, ContextReceiver, pack, unpack
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 @ray.remote(concurrency_groups={"compute": 1, "control": 2})
@@ -68,7 +62,7 @@ class ModelShard:
 
     @ray.method(concurrency_group="control")
     def address(self) -> tuple[str, int]:
-        return ray.util.get_node_ip_address(), _free_port()
+        return ray.util.get_node_ip_address(), free_port("")
 
     @ray.method(concurrency_group="control")
     def pid(self) -> int:
