@@ -14,7 +14,7 @@ from specdec.engine.request import Request
 from specdec.model.decoder import Decoder
 from specdec.model.generate import plain_generate
 from specdec.model.sampling import SamplingParams
-from specdec.model.static_step import with_step
+from specdec.model.step_mode import with_step
 from specdec.spec_decode.proposers import DraftModelProposer, NgramProposer
 from specdec.spec_decode.target_runner import LocalTargetRunner
 

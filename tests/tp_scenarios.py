@@ -35,7 +35,7 @@ def run_rank(rank: int, world: int, port: int, ckpt: str, seqs, result_path: str
     from specdec.model.decoder import Decoder
     from specdec.model.parallel import Group, LeaderDecoder, follow
     from specdec.model.sharding import ShardSpec
-    from specdec.model.static_step import with_step
+    from specdec.model.step_mode import with_step
 
     torch.set_num_threads(1)
     group = Group(rank, world, f"tcp://127.0.0.1:{port}", "cpu", timeout_s=60)

@@ -29,7 +29,7 @@ from specdec.model.decoder import Decoder
 from specdec.model.openmp import omp_max_threads
 from specdec.model.parallel import Group, LeaderDecoder, follow
 from specdec.model.sharding import ShardSpec
-from specdec.model.static_step import with_step
+from specdec.model.step_mode import with_step
 from specdec.pack.hub import resolve
 from specdec.ports import free_port
 from specdec.spec_decode.proposers import DEFAULT_Q_TOP_M, DraftModelProposer

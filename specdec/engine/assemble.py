@@ -28,7 +28,7 @@ from specdec.model.config import DecoderConfig
 from specdec.model.decoder import Decoder
 from specdec.model.sampling import SamplingParams
 from specdec.model.sharding import ShardSpec
-from specdec.model.static_step import with_step
+from specdec.model.step_mode import with_step
 from specdec.pack import hub
 from specdec.pack.tokenizer import IncompatibleDraft, check_same_tokenizer, load_tokenizer
 from specdec.policy.decide import Decision

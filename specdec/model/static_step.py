@@ -38,7 +38,6 @@ from specdec.model.batch import BatchInput
 from specdec.model.decoder import Decoder, _rms_norm, _rotate_half
 from specdec.model.kv_cache import KVCache
 
-StepMode = Literal["eager", "static", "compiled", "captured"]
 Layout = Literal["pad", "flat"]
 
 MIN_KEYS = 64
@@ -249,13 +248,3 @@ class StaticDecoder:
     def _run(self, args: tuple, key: tuple) -> torch.Tensor:
         return self._fn(*args)
 
-
-def with_step(model: Decoder, step: StepMode) -> Decoder | StaticDecoder:
-    """The model as its config's `step` runs it (eager: itself)."""
-    if step == "eager":
-        return model
-    if step == "captured":
-        from specdec.model.cuda_graph import CapturedDecoder
-
-        return CapturedDecoder(model)
-    return StaticDecoder(model, compile=step == "compiled")
