@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -12,8 +14,14 @@ from specdec.model.decoder import Decoder
 from specdec.pack.hub import transformers_model
 
 
+@functools.cache
+def _reference_model(path):
+    # Loaded once per checkpoint: every scenario below asks it for several sequences.
+    return transformers_model(path, torch.float32)
+
+
 def reference_logits(path, ids: list[int]) -> torch.Tensor:
-    ref = transformers_model(path, torch.float32)
+    ref = _reference_model(path)
     with torch.no_grad():
         return ref(torch.tensor([ids])).logits[0].float()
 
@@ -59,6 +67,7 @@ def check_all_modes(path, seqs: list[list[int]], atol: float) -> None:
     new = [11, 12, 13]
     out = model(BatchInput.build([(0, keep, new)]), cache, logit_indices=torch.arange(3))
     assert_close(out, reference_logits(path, seqs[1][:keep] + new)[keep:], atol)
+    _reference_model.cache_clear()  # a real model's reference is not kept for the session
 
 
 def test_tiny_models_match_transformers(tiny_checkpoint):
