@@ -14,10 +14,20 @@ from specdec.model.static_step import Bucket, StaticDecoder, flatten
 ATOL = 2e-5
 
 
-def _pair(path, layout="pad"):
+def _pair(path, layout="pad", prefill=None):
     model = Decoder.from_checkpoint(path, torch.float32)
     static = StaticDecoder(model, layout=layout)
-    return model, model.new_cache(4, 128), static, static.new_cache(4, 128)
+    cache, scache = _prefilled(model, static, prefill)
+    return model, cache, static, scache
+
+
+def _prefilled(model, static, prefill, slots=4, max_len=128):
+    """An eager cache and a static one, both holding `prefill` rows if given (run eagerly
+    in each)."""
+    cache, scache = model.new_cache(slots, max_len), static.new_cache(slots, max_len)
+    for c in (cache, scache) if prefill else ():
+        model(BatchInput.build(prefill), c)
+    return cache, scache
 
 
 def _both(model, cache, static, scache, rows, every_token=True):
@@ -68,9 +78,8 @@ def test_static_equals_eager_plain_verify_mixed_and_rollback(tiny_checkpoint, la
 
 
 def test_greedy_argmax_path_matches(tiny_llama):
-    model, cache, static, scache = _pair(tiny_llama)
-    for c in (cache, scache):
-        model(BatchInput.build([(0, 0, [5, 6, 7, 8]), (1, 0, [9, 10])]), c)
+    model, cache, static, scache = _pair(tiny_llama,
+                                         prefill=[(0, 0, [5, 6, 7, 8]), (1, 0, [9, 10])])
     rows = [(0, 4, [11, 12, 13]), (1, 2, [14])]
     batch = BatchInput.build(rows)
     idx = torch.arange(4)
@@ -97,9 +106,8 @@ def test_replay_reuses_the_same_buffers(tiny_llama):
     """Capture needs every step of a bucket to read and write the same addresses: the
     buffers are refilled in place, never reallocated, and a replay over changed contents
     gives the new contents' result."""
-    model, cache, static, scache = _pair(tiny_llama)
-    for c in (cache, scache):
-        model(BatchInput.build([(0, 0, [5, 6, 7]), (1, 0, [8, 9, 10])]), c)
+    model, cache, static, scache = _pair(tiny_llama,
+                                         prefill=[(0, 0, [5, 6, 7]), (1, 0, [8, 9, 10])])
     static(BatchInput.build([(0, 3, [11]), (1, 3, [12])]), scache)
     (buffers,) = static._buffers.values()
     addresses = [t.data_ptr() for t in buffers.tensors()]
@@ -124,9 +132,7 @@ def test_compiled_step_one_graph_per_bucket_no_recompile(tiny_llama):
     counter = CompileCounter()
     model = Decoder.from_checkpoint(tiny_llama, torch.float32)
     static = StaticDecoder(model, compile=True, backend=counter)
-    cache, scache = model.new_cache(4, 128), static.new_cache(4, 128)
-    for c in (cache, scache):
-        model(BatchInput.build([(0, 0, [5, 6, 7]), (1, 0, [8, 9, 10])]), c)
+    cache, scache = _prefilled(model, static, [(0, 0, [5, 6, 7]), (1, 0, [8, 9, 10])])
     for i in range(4):
         e, s = _both(model, cache, static, scache, [(0, 3 + i, [11 + i]), (1, 3 + i, [20 + i])])
         _close(e, s)
@@ -141,9 +147,7 @@ def test_inductor_compiled_step_equals_eager(tiny_llama):
     torch._dynamo.reset()
     model = Decoder.from_checkpoint(tiny_llama, torch.float32)
     static = StaticDecoder(model, compile=True)
-    cache, scache = model.new_cache(4, 128), static.new_cache(4, 128)
-    for c in (cache, scache):
-        model(BatchInput.build([(0, 0, [5, 6, 7]), (1, 0, [8, 9, 10])]), c)
+    cache, scache = _prefilled(model, static, [(0, 0, [5, 6, 7]), (1, 0, [8, 9, 10])])
     for i in range(3):
         e, s = _both(model, cache, static, scache, [(0, 3 + i, [11 + i]), (1, 3 + i, [20 + i])])
         _close(e, s)
@@ -159,9 +163,7 @@ def test_fbgemm_packed_layers_compile_without_a_graph_break(tiny_llama):
         counter = CompileCounter()
         model = Decoder.from_checkpoint(tiny_llama, fmt)
         static = StaticDecoder(model, compile=True, backend=counter)
-        cache, scache = model.new_cache(2, 64), static.new_cache(2, 64)
-        for c in (cache, scache):
-            model(BatchInput.build([(0, 0, [5, 6, 7])]), c)
+        cache, scache = _prefilled(model, static, [(0, 0, [5, 6, 7])], 2, 64)
         e, s = _both(model, cache, static, scache, [(0, 3, [11])])
         assert counter.frame_count == 1 and counter.op_count > 0
         # One row, no padding: the same kernels on the same numbers.
