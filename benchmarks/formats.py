@@ -26,7 +26,7 @@ from specdec.model.generate import plain_generate
 from specdec.model.sampling import SamplingParams
 from specdec.pack.tokenizer import load_tokenizer
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]  # the repository root (benchmarks/..)
 SOURCES = ("specdec/spec_decode/rejection.py", "specdec/model/kv_cache.py", "specdec/policy/decide.py",
            "specdec/engine/stop.py", "deployments/ingress.py", "deployments/openai_api.py",
            "specdec/spec_decode/proposers.py", "specdec/model/sampling.py")

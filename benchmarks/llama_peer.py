@@ -18,7 +18,7 @@ from pathlib import Path
 
 from specdec.ports import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]  # the repository root (benchmarks/..)
 
 
 def llama_bin(name: str = "llama-server") -> Path | None:
