@@ -33,6 +33,10 @@ class CapturedDecoder(StaticDecoder):
         self._pool = None
         self.captures = 0
 
+    def limit_vocab(self, n: int) -> CapturedDecoder:
+        # Not the base's: a draft's vocabulary limit must keep its steps captured.
+        return CapturedDecoder(self.model.limit_vocab(n))
+
     def _run(self, args: tuple, key: tuple) -> torch.Tensor:
         got = self._graphs.get(key)
         if got is None:
