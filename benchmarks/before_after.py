@@ -45,6 +45,7 @@ def _worker(config: str) -> None:
     print(json.dumps({"ready": specdec.__file__}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
+        # Templated here, not with specdec.pack.tokenizer: an older tree may not have it.
         ids = tok.apply_chat_template([{"role": "user", "content": req["text"]}],
                                       tokenize=True, add_generation_prompt=True,
                                       return_dict=False) if req["chat"] \
