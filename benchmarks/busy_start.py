@@ -90,6 +90,9 @@ def one_start(kind: str, args: dict, pairs: int, on: int, max_tokens: int) -> di
                 first_s = time.monotonic() - t_ready
                 print(f"[{kind}] first 4-token request served {first_s:.2f} s after ready, "
                       f"{time.monotonic() - t0:.0f} s after deploy", flush=True)
+                # What the calibration left the policy believing, before any live draft.
+                priced = {"at ready": client.get("/health").json().get("engine", {})
+                          .get("priced_one_row", [])}
                 rows = []
                 for i in range(pairs):
                     for mode in ("auto", "off"):
@@ -103,6 +106,8 @@ def one_start(kind: str, args: dict, pairs: int, on: int, max_tokens: int) -> di
                     rows.append({"start": kind, "n": len(rows) + 1, **row})
                     print(f"[{kind}] {rows[-1]}", flush=True)
                 health = client.get("/health").json().get("engine", {})
+                priced["after the requests"] = health.get("priced_one_row", [])
+                print(f"[{kind}] last steps, medians: {health.get('timeline')}", flush=True)
         finally:
             for h in hogs:
                 if h.is_alive():
@@ -111,7 +116,8 @@ def one_start(kind: str, args: dict, pairs: int, on: int, max_tokens: int) -> di
             serve.delete("bench")
             serve.shutdown()
     return {"kind": kind, "ready_s": ready_s, "first_served_s": first_s, "rows": rows,
-            "calibration": health.get("calibration"), "probes": health.get("probes")}
+            "calibration": health.get("calibration"), "probes": health.get("probes"),
+            "priced": priced}
 
 
 def main() -> int:
@@ -130,6 +136,10 @@ def main() -> int:
         rows = res["rows"]
         print_table(rows, ["start", "n", "mode", "tokens_per_s", "decision", "k", "rounds",
                            "tokens_per_round", "why"], f"{res['kind']} start, one client")
+        for when, table in res["priced"].items():
+            if table:
+                print_table(table, list(table[0]), f"{res['kind']} start: the policy's "
+                            f"price of a draft round at one row, {when}")
         auto = [r["tokens_per_s"] for r in rows if r["mode"] == "auto"]
         off = [r["tokens_per_s"] for r in rows if r["mode"] == "off"]
         on = [r for r in rows if r["mode"] == "on"]

@@ -35,6 +35,14 @@ from specdec.policy.settings import PolicySettings
 
 log = logging.getLogger(__name__)
 
+# A shape never run live is probed this much more often than probe_interval_s (a tenth of
+# it): after a busy start every shape the batch does not run is priced by a calibration
+# known to be off, and one probe per interval took minutes of serving to measure the k_max
+# verify shapes; the first request or two ended before speculation was priced right. A
+# probe of a verify still emits the tokens it accepts, so this costs a step or two a second
+# at most, and only until each shape has been run once.
+UNMEASURED_GAP = 0.1
+
 
 @dataclasses.dataclass
 class Overrides:
@@ -206,40 +214,66 @@ class EnginePolicy:
         """A probe for this step, or None: ("verify", method, k) makes the rows that follow
         the policy draft k although the batch would run plain; ("plain", "none", 0) makes a
         speculating batch run one plain step. Only for a shape not run for real within
-        probe_interval_s, at most once per interval, and only while nothing waits: the
-        calibration that priced it may have run on a busy machine, and a batch that never
-        runs a shape never learns what it costs now. One step in an interval is the price."""
+        probe_interval_s, at most once per interval (a shape never run live: ten times as
+        often), and only while nothing waits: the calibration that priced it may have run
+        on a busy machine, and a batch that never runs a shape never learns what it costs
+        now. One step in an interval is the price."""
         interval = self.config.probe_interval_s
         now = self.clock()
         again, self._probe_again = self._probe_again, None
         if again is not None and not raw.get("waiting", 0):
             return again
         following = raw.get("following") or {}
-        if not interval or now - self._last_probe < interval or raw.get("waiting", 0) \
+        since = now - self._last_probe
+        if not interval or since < interval * UNMEASURED_GAP or raw.get("waiting", 0) \
                 or not following:
             return None
         method = max(following, key=lambda m: (following[m], m == "draft"))
         if method == "none":
             return None
         load = self._load(raw)
-        alpha = {method: self.acceptance.alpha(method)}
-        curves = {method: self.acceptance.curve(method, self.config.k_max)}
         base = load.running + load.prefill_tokens
         drafting = max(load.running - min(load.pinned, load.running - 1), 1)
 
-        def stale(tokens: float) -> bool:
-            seen = self.step_cost.last_live_at(round(tokens))
-            return seen is None or now - seen >= interval
+        def unmeasured(k: int) -> bool:
+            """Never run live: its cost is the calibration's alone."""
+            return self.step_cost.last_live_at(round(base + drafting * k)) is None or bool(
+                k and method == "draft"
+                and self.draft_round_cost.last_live((float(k), float(drafting))) is None)
 
+        full = since >= interval
+        if not full and not any(unmeasured(k) for k in range(self.config.k_max + 1)):
+            return None  # between intervals only shapes never measured are probed
+
+        def stale(k: int) -> bool:
+            seen = self.step_cost.last_live_at(round(base + drafting * k))
+            return unmeasured(k) or (full and now - seen >= interval)
+
+        probe = self._probe_shape(raw, method, load, stale)
+        if probe is not None:
+            self._last_probe = now
+            self.probes[probe[0]] += 1
+            if probe[0] == "verify" and probe[1] == "draft":
+                self._probe_again = probe
+            log.info("probing a %s step (method %s, k %d) at %d rows: its shape was %s",
+                     probe[0], probe[1], probe[2], load.running,
+                     f"not run for {interval:.0f} s" if full else "never run live")
+        return probe
+
+    def _probe_shape(self, raw: dict, method: str, load: Load,
+                     stale) -> tuple[str, str, int] | None:
+        """Which stale shape (stale(k): k = 0 is the plain step) to probe. The verify shapes
+        the batch does not run, best expected first: a plain batch probes the one that would
+        pay best if it was priced wrong; a speculating batch takes turns between that and a
+        plain step (is plain still slower?)."""
+        alpha = {method: self.acceptance.alpha(method)}
+        curves = {method: self.acceptance.curve(method, self.config.k_max)}
         batch = self._decide([method], alpha, math.inf, load, curves, method)
-        # The verify shapes the batch does not run, best expected first: a plain batch
-        # probes the one that would pay best if it was priced wrong; a speculating batch
-        # takes turns between that and a plain step (is plain still slower?).
         options = sorted((self._decide([method], alpha, math.inf, load, curves, method, k)
                           for k in range(1, self.config.k_max + 1)
-                          if k != batch.k and stale(base + drafting * k)),
+                          if k != batch.k and stale(k)),
                          key=lambda d: -d.expected_speedup)
-        plain_ok = batch.k and not raw.get("speculating_on_request") and stale(base)
+        plain_ok = batch.k and not raw.get("speculating_on_request") and stale(0)
         probe = None
         if plain_ok and (self._plain_turn or not options):
             probe = ("plain", "none", 0)
@@ -247,13 +281,6 @@ class EnginePolicy:
             probe = ("verify", method, options[0].k)
         if batch.k:
             self._plain_turn = probe is not None and probe[0] == "verify"
-        if probe is not None:
-            self._last_probe = now
-            self.probes[probe[0]] += 1
-            if probe[0] == "verify" and probe[1] == "draft":
-                self._probe_again = probe
-            log.info("probing a %s step (method %s, k %d) at %d rows: its shape was not run "
-                     "for %.0f s", probe[0], probe[1], probe[2], load.running, interval)
         return probe
 
     # ---- observations ----------------------------------------------------------------
@@ -315,7 +342,34 @@ class EnginePolicy:
             "step_cost_fit": self.step_cost.fit(), "draft_cost_ratio": self.draft_cost,
             "draft_round_fit": self.draft_round_cost.fit(),
             "step_costs": self.step_cost.report(), "probes": dict(self.probes),
+            "priced_one_row": self._priced_one_row(methods),
         }
+
+    def _priced_one_row(self, methods: list[str]) -> list[dict]:
+        """What the policy believes a draft round at each k costs and yields for a lone row,
+        and whether each cost comes from live steps or only from the start-up calibration:
+        the first place to look when it will not speculate (docs/troubleshooting.md)."""
+        if "draft" not in methods:
+            return []
+        step, draft = self.step_cost, self.draft_round_cost
+        plain = step.step_seconds(1)
+        alpha = {"draft": self.acceptance.alpha("draft")}
+        curves = {"draft": self.acceptance.curve("draft", self.config.k_max)}
+        out = []
+        for k in range(1, self.config.k_max + 1):
+            d = self._decide(["draft"], alpha, math.inf, Load(1), curves, "draft", k)
+            drafted = draft.round_seconds(k, 1)
+            verify = step.step_seconds(1 + k)
+            out.append({
+                "k": k, "speedup": round(d.expected_speedup, 3),
+                "plain_ms": _ms(plain), "verify_ms": _ms(verify), "draft_ms": _ms(drafted),
+                "verify_live": step.last_live_at(1 + k) is not None,
+                "draft_live": draft.last_live((float(k), 1.0)) is not None})
+        return out
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 1)
 
 
 def _overlapping(engine) -> bool:

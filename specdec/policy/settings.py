@@ -39,4 +39,5 @@ class PolicySettings(BaseModel):
     probe_interval_s: float = Field(20.0, ge=0, description=(
         "A step shape the batch does not run (a verify while all run plain, a plain step "
         "while all speculate) is measured by one probe step at most this often while "
-        "nothing waits (0 = never): a wrong start-up calibration cannot rule for good."))
+        "nothing waits (0 = never): a wrong start-up calibration cannot rule for good. A "
+        "shape never run live is probed at a tenth of this interval."))

@@ -74,8 +74,9 @@ class OneRowEngine:
                 "following": {"draft": 1}, "speculating_on_request": 0}
 
 
-def serve_steps(policy: EnginePolicy, machine: Machine, n: int) -> list[int]:
-    """n steps of one row; the k of each, None for a probe step."""
+def serve_steps(policy: EnginePolicy, machine: Machine, n: int,
+                ends: list | None = None) -> list[int]:
+    """n steps of one row; the k of each, None for a probe step (ends: when each ended)."""
     engine, ks = OneRowEngine(), []
     for _ in range(n):
         k = policy.choose_k(engine, engine.req, engine.spec, 1)
@@ -93,6 +94,8 @@ def serve_steps(policy: EnginePolicy, machine: Machine, n: int) -> list[int]:
         machine.now += rec.step_s
         engine.steps += 1
         ks.append(None if probing else k)
+        if ends is not None:
+            ends.append(machine.now)
     return ks
 
 
@@ -195,14 +198,45 @@ def test_a_speculating_batch_probes_the_plain_step_it_no_longer_runs():
 
 
 def test_probes_cost_two_steps_per_interval_at_most():
-    """One probe per interval; a draft probe is two steps (the first catches the draft up)."""
+    """One probe per interval, besides one for each shape never measured; a draft probe is
+    two steps (the first catches the draft up)."""
     machine = Machine(lambda t: 0.10 if t <= 1 else 0.5)  # speculation never pays
     policy = new_policy(machine, probe_interval_s=5.0)
     calibrate(policy, machine.step, machine.draft)
-    ks = serve_steps(policy, machine, 500)  # about 50 s of serving
+    ends: list[float] = []
+    ks = serve_steps(policy, machine, 500, ends)  # about 50 s of serving
     assert set(ks) == {0, None}
     probes = sum(policy.probes.values())
-    assert 0 < probes <= machine.now / 5.0 + 1 and ks.count(None) == 2 * probes
+    assert 0 < probes <= machine.now / 5.0 + 1 + K_MAX and ks.count(None) == 2 * probes
+    # Once every shape has run, one per interval: the last 30 s held at most 7 probes.
+    late = [k for k, t in zip(ks, ends, strict=True) if t > machine.now - 30]
+    assert late.count(None) <= 2 * (30 / 5.0 + 1)
+
+
+def test_every_shape_a_busy_calibration_priced_is_measured_within_seconds():
+    """At the default probe interval (20 s), a busy start that overpriced every verify and
+    the draft is re-measured at every k within seconds of serving, not one k per interval:
+    a first request or two (a few seconds each) must already speculate at the right k."""
+    machine = Machine()
+    policy = new_policy(machine, probe_interval_s=20.0)
+    calibrate(policy, lambda t: quiet_step(t) * (1.0 if t <= 1 else 3.0),
+              lambda k, r: 2 * quiet_draft(k, r))
+    assert admitted(policy) == "plain"
+    before = policy.report(["draft"])["priced_one_row"]
+    assert not any(p["verify_live"] or p["draft_live"] for p in before)
+    assert max(p["speedup"] for p in before) < 1.0  # what made the batch run plain
+    ends: list[float] = []
+    ks = serve_steps(policy, machine, 200, ends)
+    first = sum(t < 18.0 for t in ends)  # the steps inside the first interval
+    ks = ks[:first]
+    measured = {k for k in range(1, K_MAX + 1)
+                if policy.step_cost.last_live_at(1 + k) is not None}
+    assert measured == set(range(1, K_MAX + 1)), measured
+    assert admitted(policy) == "speculative"
+    assert settled(ks, True) < first - 20, ks
+    after = policy.report(["draft"])["priced_one_row"]
+    assert all(p["verify_live"] and p["draft_live"] for p in after)
+    assert max(p["speedup"] for p in after) > 1.05
 
 
 def test_calibration_noise_is_told_from_a_quiet_machine():
