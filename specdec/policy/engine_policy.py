@@ -246,8 +246,8 @@ class EnginePolicy:
             return None  # between intervals only shapes never measured are probed
 
         def stale(k: int) -> bool:
-            seen = self.step_cost.last_live_at(round(base + drafting * k))
-            return unmeasured(k) or (full and now - seen >= interval)
+            return unmeasured(k) or (full and now - self.step_cost.last_live_at(
+                round(base + drafting * k)) >= interval)
 
         probe = self._probe_shape(raw, method, load, stale)
         if probe is not None:
