@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from specdec.model.decoder import Decoder
-from specdec.model.static_step import StaticDecoder, static_forward
+from specdec.model.static_step import StaticDecoder, StepFn
 
 _WARMUP = 2  # uncaptured runs first: allocator pools, cuBLAS workspaces, lazy kernel loads
 
@@ -29,7 +29,7 @@ class CapturedDecoder(StaticDecoder):
         if model.device.type != "cuda":
             raise ValueError("step: captured needs a CUDA device (CPU: static or compiled)")
         super().__init__(model)
-        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
         self._pool = None
         self.captures = 0
 
@@ -37,26 +37,26 @@ class CapturedDecoder(StaticDecoder):
         # Not the base's: a draft's vocabulary limit must keep its steps captured.
         return CapturedDecoder(self.model.limit_vocab(n))
 
-    def _run(self, args: tuple, key: tuple) -> torch.Tensor:
-        got = self._graphs.get(key)
+    def _run(self, fn: StepFn, args: tuple, key: tuple):
+        got = self._graphs.get((fn, *key))
         if got is None:
-            got = self._graphs[key] = self._capture(args)
+            got = self._graphs[(fn, *key)] = self._capture(fn, args)
         graph, out = got
         graph.replay()
         return out
 
-    def _capture(self, args: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, fn: StepFn, args: tuple) -> tuple[torch.cuda.CUDAGraph, object]:
         # The warm-up runs compute this very step (same inputs, so the same K/V written at
         # the same places): the replay that follows writes them once more, identically.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(_WARMUP):
-                static_forward(*args)
+                fn(*args)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = static_forward(*args)
+            out = fn(*args)
         self._pool = graph.pool()
         self.captures += 1
         return graph, out

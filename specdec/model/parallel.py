@@ -193,6 +193,11 @@ class LeaderDecoder:
 
     forward = __call__
 
+    def alone(self) -> Decoder | None:
+        """This rank's model when no follower shares its steps (a one-rank group): what
+        runs a step that is not a single forward, such as the draft's loop."""
+        return self.local if self.group.world == 1 else None
+
     def stop_followers(self) -> None:
         if self.group.world > 1:
             dist.broadcast(torch.tensor([_STOP, 0, 0, 0], dtype=torch.long), src=0,

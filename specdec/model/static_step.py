@@ -190,12 +190,10 @@ class StaticDecoder:
         self.cfg, self.device, self.dtype = model.cfg, model.device, model.dtype
         self.format, self.vocab_out = model.format, model.vocab_out
         self.compiled, self.backend = compile, backend
-        # fullgraph: a graph break would silently leave the step half-eager; dynamic=False:
-        # one specialised graph per bucket, which is what capture replays.
-        self._fn: StepFn = torch.compile(static_forward, fullgraph=True, dynamic=False,
-                                         backend=backend) if compile else static_forward
+        self._compiled: dict[StepFn, StepFn] = {}
         self._buffers: dict[tuple[Bucket, int], StepBuffers] = {}
-        self.static_steps = self.eager_steps = 0
+        self.loop_buffers: dict[tuple, object] = {}  # the draft loop's (draft_loop.py)
+        self.static_steps = self.eager_steps = self.loop_rounds = 0
 
     def limit_vocab(self, n: int) -> StaticDecoder:
         return StaticDecoder(self.model.limit_vocab(n), self.compiled, self.backend,
@@ -235,7 +233,7 @@ class StaticDecoder:
                                                                       self.device)
         idx = buffers.fill(batch)
         rotary = self.model._rotary_for(cache.max_len)
-        out = self._run((self.model, cache.k, cache.v, rotary.cos, rotary.sin,
+        out = self._run(static_forward, (self.model, cache.k, cache.v, rotary.cos, rotary.sin,
                          *buffers.tensors(), bucket.rows, bucket.query, bucket.keys, argmax),
                         (bucket, buffers.scratch, argmax))
         self.static_steps += 1
@@ -245,6 +243,15 @@ class StaticDecoder:
 
     forward = __call__
 
-    def _run(self, args: tuple, key: tuple) -> torch.Tensor:
-        return self._fn(*args)
+    def _run(self, fn: StepFn, args: tuple, key: tuple):
+        """fn(*args), compiled once per function when asked (one graph per bucket: key)."""
+        if not self.compiled:
+            return fn(*args)
+        done = self._compiled.get(fn)
+        if done is None:
+            # fullgraph: a graph break would silently leave the step half-eager;
+            # dynamic=False: one specialised graph per bucket, which is what capture replays.
+            done = self._compiled[fn] = torch.compile(fn, fullgraph=True, dynamic=False,
+                                                      backend=self.backend)
+        return done(*args)
 

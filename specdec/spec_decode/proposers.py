@@ -16,7 +16,8 @@ import torch
 
 from specdec.model.batch import BatchInput
 from specdec.model.decoder import Decoder
-from specdec.model.sampling import SamplingParams, make_generator, sample, warp_probs
+from specdec.model.draft_loop import loop_decoder, run_loop
+from specdec.model.sampling import SamplingParams, draw_with_uniform, make_generator, warp_probs
 from specdec.spec_decode.overlap import ThreadWindow
 from specdec.spec_decode.proposal import DraftWindow, Proposal, ProposeInput
 
@@ -134,6 +135,8 @@ class DraftModelProposer:
         self.vocab_limit = vocab_limit
         self.model = model
         self.cache = model.new_cache(max_slots, max_len)
+        # A static or captured draft runs each round as one loop (specdec/model/draft_loop.py).
+        self._loop = loop_decoder(model)
         self.sampling = sampling
         self.max_len = max_len
         self._seqs: dict[str, _DraftSeq] = {}
@@ -180,12 +183,18 @@ class DraftModelProposer:
         # Step 0 catches the cache up with the context (a prefill the first time, then the
         # 1-2 tokens the target added last round); later steps feed one guess each.
         rows = [(s.slot, s.cached, i.context[s.cached:]) for s, i in zip(seqs, inputs, strict=True)]
+        u = self._uniforms(inputs, seqs, dparams)
+        if should_stop is None and self._loops(inputs, dparams):
+            looped = self._looped(rows, inputs, seqs, dparams, u)
+            for i, s, guesses in zip(inputs, seqs, looped, strict=True):
+                out[i.seq_id] = self._finish(i, s, *guesses)
+            return [out[i.seq_id] for i in requested]
         live = list(range(len(inputs)))
         for step in range(max(i.k for i in inputs)):
             if step and should_stop is not None and should_stop():
                 break
             picks, ids, probs, conf = self._forward_and_pick(
-                rows, [dparams[b] for b in live], [seqs[b].generator for b in live])
+                rows, [dparams[b] for b in live], None if u is None else u[live, step])
             sure = self._sure(conf)
             next_rows, next_live = [], []
             for j, b in enumerate(live):
@@ -204,8 +213,53 @@ class DraftModelProposer:
             out[inp.seq_id] = self._finish(inp, s, tokens[b], q_ids[b], q_probs[b])
         return [out[i.seq_id] for i in requested]
 
-    def _forward_and_pick(self, rows, dparams: list[SamplingParams],
-                          generators: list[torch.Generator]):
+    def _loops(self, inputs: list[ProposeInput], dparams: list[SamplingParams]) -> bool:
+        """Whether this round can run as one loop: a static draft alone on its rank, every
+        warp one the loop traces (temperature only), every guess inside the cache."""
+        k = max(i.k for i in inputs)
+        return (self._loop is not None
+                and all(p.greedy or (p.top_k == 0 and p.top_p == 1) for p in dparams)
+                and all(len(i.context) + k - 1 <= self.cache.max_len for i in inputs))
+
+    @staticmethod
+    def _uniforms(inputs: list[ProposeInput], seqs: list[_DraftSeq],
+                  dparams: list[SamplingParams]) -> torch.Tensor | None:
+        """[R, k] uniforms for a round with sampled rows (None: all greedy): each row draws
+        one per guess of its k from its own stream up front, so what a seeded row consumes
+        depends on its k alone, not on where the confidence rule cut it or on its batch."""
+        if all(p.greedy for p in dparams):
+            return None
+        u = torch.full((len(inputs), max(i.k for i in inputs)), 0.5)
+        for b, (i, s) in enumerate(zip(inputs, seqs, strict=True)):
+            u[b, : i.k] = torch.rand(i.k, generator=s.generator)
+        return u
+
+    def _looped(self, rows, inputs: list[ProposeInput], seqs: list[_DraftSeq],
+                dparams: list[SamplingParams], u: torch.Tensor | None
+                ) -> list[tuple[list, list, list]]:
+        """The round as the catch-up forward plus one loop: per row (tokens, q ids, q probs)
+        as the eager loop below would build them, cut to the row's k and confidence."""
+        k = max(i.k for i in inputs)
+        sampled = u is not None
+        logits0 = self.model(BatchInput.build(rows, self.model.device), self.cache)
+        u = torch.full((len(inputs), k), 0.5) if u is None else u
+        g = run_loop(self._loop, self.cache, logits0, [len(i.context) for i in inputs],
+                     [s.slot for s in seqs], [p.temperature or 1.0 for p in dparams],
+                     [p.greedy for p in dparams], u.to(self.model.device), k, sampled,
+                     self.q_top_m or 0)
+        out = []
+        for b, i in enumerate(inputs):
+            n = i.k
+            if self.confidence_threshold is not None:
+                unsure = (g.conf[b, : n - 1] < self.confidence_threshold).nonzero()
+                n = int(unsure[0, 0]) + 1 if len(unsure) else n
+            if not sampled:
+                out.append((g.picks[b][:n], [], []))
+            else:
+                out.append((g.picks[b][:n], list(g.q_ids[b, :n]), list(g.q_probs[b, :n])))
+        return out
+
+    def _forward_and_pick(self, rows, dparams: list[SamplingParams], u: torch.Tensor | None):
         """One draft forward over `rows` and each row's next guess: (picks, q ids, q probs,
         confidence), the q parts None for greedy rows. Guesses come only from the first
         vocab_limit ids (q is zero elsewhere): exact still; the projection was narrowed to
@@ -221,9 +275,16 @@ class DraftModelProposer:
             picks = logits.argmax(-1).tolist()
             return picks, None, None, self._greedy_confidence(logits, picks)
         ids, probs = self._top_m(warp_probs(logits, dparams))
-        local = sample(probs, generators).unsqueeze(1)
-        return ids.gather(1, local).squeeze(1).tolist(), ids, probs, probs.gather(
-            1, local).squeeze(1)
+        local = draw_with_uniform(probs, u.to(probs.device)).unsqueeze(1)
+        picks = ids.gather(1, local).squeeze(1)
+        conf = probs.gather(1, local).squeeze(1)
+        if self.confidence_threshold is not None and any(p.greedy for p in dparams):
+            # A greedy row's confidence is its argmax's probability whatever shares its
+            # batch (its warped q is one-hot: always 1).
+            greedy_rows = torch.tensor([p.greedy for p in dparams], device=conf.device)
+            sure = self._greedy_confidence(logits, picks.tolist())
+            conf = torch.where(greedy_rows, sure, conf)
+        return picks.tolist(), ids, probs, conf
 
     def _finish(self, inp: ProposeInput, s: _DraftSeq, tokens: list[int],
                 q_ids: list[torch.Tensor], q_probs: list[torch.Tensor]) -> Proposal:

@@ -46,6 +46,8 @@ def test_static_greedy_speculation_is_token_identical(pair, k, draft_sampling):
     spec = engine.totals["draft"]
     assert 0 < spec.accepted < spec.drafted, "no rejections or no acceptances: weak test"
     assert engine.target.model.static_steps > 0
+    # The draft drafted in loops (specdec/model/draft_loop.py), not step by step.
+    assert engine.proposers["draft"].model.loop_rounds > 0
 
 
 def _mixed(target, draft, step):
