@@ -161,8 +161,15 @@ def run_loop(static: StaticDecoder, cache: KVCache, logits0: torch.Tensor,
                                    *buffers.tensors(), shape.rows, shape.keys, shape.k,
                                    shape.sampled, shape.top_m), key)
     static.loop_rounds += 1
-    # The round's one wait on the device: everything after it is already computed.
-    picks = out[0][:n].tolist()
+    # The round's one copy to the host, packed as fp32 (ids below 2**24 are exact in it).
+    parts = [out[0].float(), out[1]]
+    if sampled:
+        parts += [out[2].flatten(1).float(), out[3].flatten(1)]
+    host = torch.cat(parts, 1)[:n].cpu()
+    picks, conf = host[:, :k].long().tolist(), host[:, k: 2 * k]
     if not sampled:
-        return Guesses(picks, out[1][:n].cpu())
-    return Guesses(picks, out[1][:n].cpu(), out[2][:n].cpu(), out[3][:n].cpu())
+        return Guesses(picks, conf)
+    m = out[2].shape[-1]
+    q = host[:, 2 * k:]
+    return Guesses(picks, conf, q[:, : k * m].long().view(n, k, m),
+                   q[:, k * m:].reshape(n, k, m))

@@ -61,18 +61,21 @@ def warp_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
     if len(params) != n:
         raise ValueError(f"{n} rows of logits but {len(params)} sampling params")
     out = torch.empty_like(logits)
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-    if greedy.any():
-        idx = greedy.nonzero().squeeze(1)
+    # Rows are chosen from the params the host holds, never by reading the device (a read
+    # would wait for the forward on a GPU).
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    hot = [i for i, p in enumerate(params) if not p.greedy]
+    if greedy:
+        idx = torch.tensor(greedy, device=logits.device)
         out[idx] = 0.0
         out[idx, logits[idx].argmax(-1)] = 1.0
-    if (~greedy).any():
-        idx = (~greedy).nonzero().squeeze(1)
-        temps = torch.tensor([params[i].temperature for i in idx.tolist()],
+    if hot:
+        idx = torch.tensor(hot, device=logits.device)
+        temps = torch.tensor([params[i].temperature for i in hot],
                              device=logits.device).unsqueeze(1)
         scaled = logits[idx] / temps
-        top_k = [params[i].top_k for i in idx.tolist()]
-        top_p = [params[i].top_p for i in idx.tolist()]
+        top_k = [params[i].top_k for i in hot]
+        top_p = [params[i].top_p for i in hot]
         if any(k > 0 for k in top_k) or any(p < 1 for p in top_p):
             scaled = _cut_top_k_top_p(scaled, top_k, top_p)
         out[idx] = torch.softmax(scaled, dim=-1)

@@ -22,21 +22,31 @@ from specdec.model.sampling import draw_with_uniform
 PLACEHOLDER = -1  # output slots after the last emitted token
 
 
+def row_uniforms(num_draft: list[int], width: int,
+                 generators: list[torch.Generator]) -> torch.Tensor:
+    """[B, width] uniforms on the host, one seeded stream per row: row b's accept draws in
+    columns :num_draft[b], its final draw in the last column. Each row consumes exactly
+    num_draft[b] + 1 numbers, so a seeded request's draws do not depend on what else shares
+    its batch. Built from host-held counts: nothing here waits for the device."""
+    if len(generators) != len(num_draft):
+        raise ValueError(f"{len(num_draft)} rows but {len(generators)} generators")
+    u = torch.zeros(len(num_draft), width)
+    for b, (g, n) in enumerate(zip(generators, num_draft, strict=True)):
+        r = torch.rand(n + 1, generator=g, device=g.device)
+        r = r if r.device.type == "cpu" else r.cpu()  # a device generator's draws
+        u[b, :n] = r[:n]
+        u[b, width - 1] = r[n]
+    return u
+
+
 def _uniforms(num_draft: torch.Tensor, width: int, generator, device) -> torch.Tensor:
-    """[B, k+1] uniforms: row b's accept draws in columns :num_draft[b], its final draw in
-    column k. With per-row generators each row consumes exactly num_draft[b] + 1 numbers,
-    so a seeded request's draws do not depend on what else shares its batch."""
+    """[B, k+1] uniforms for one generator for the batch, or one per row (row_uniforms)."""
     B = num_draft.shape[0]
     if generator is None or isinstance(generator, torch.Generator):
         return torch.rand(B, width, generator=generator, device=device)
     if len(generator) != B:
         raise ValueError(f"{B} rows but {len(generator)} generators")
-    u = torch.zeros(B, width)
-    for b, (g, n) in enumerate(zip(generator, num_draft.tolist(), strict=True)):
-        r = torch.rand(n + 1, generator=g, device=g.device).cpu()
-        u[b, :n] = r[:n]
-        u[b, width - 1] = r[n]
-    return u.to(device)
+    return row_uniforms(num_draft.tolist(), width, generator).to(device)
 
 
 def rejection_sample(
@@ -47,6 +57,7 @@ def rejection_sample(
     *,
     num_draft: torch.Tensor | None = None,
     greedy: torch.Tensor | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify a batch of drafts.
 
@@ -54,6 +65,7 @@ def rejection_sample(
     target_probs [B, k+1, V]. generator: one for the batch or one per row (seeded requests).
     num_draft [B]: each row's own k (rows of one batch may differ; padding is ignored).
     greedy [B] bool: rows decided by the argmax rule.
+    uniforms [B, k+1]: the draws, made beforehand (row_uniforms); then generator is unused.
     Returns (output_token_ids [B, k+1] with -1 after the last emitted token, num_emitted [B]).
     """
     B, k = draft_token_ids.shape
@@ -66,7 +78,7 @@ def rejection_sample(
     if greedy is None:
         greedy = torch.zeros(B, dtype=torch.bool, device=device)
     x = draft_token_ids.clamp(min=0)
-    u = _uniforms(num_draft, k + 1, generator, device)
+    u = _uniforms(num_draft, k + 1, generator, device) if uniforms is None else uniforms
     target_argmax = target_probs.argmax(-1)  # [B, k+1]
     num_accepted = _accepted_counts(x, draft_probs, target_probs, target_argmax, u[:, :k],
                                     num_draft, greedy)

@@ -19,7 +19,7 @@ from specdec.model.decoder import Decoder
 from specdec.model.kv_cache import KVCache
 from specdec.model.sampling import SamplingParams, make_generator, warp_probs
 from specdec.spec_decode.calls import CallStats
-from specdec.spec_decode.rejection import rejection_sample
+from specdec.spec_decode.rejection import rejection_sample, row_uniforms
 
 
 @dataclasses.dataclass
@@ -137,48 +137,76 @@ def _sample_rows(rows: list[TargetRow], logits: torch.Tensor,
                  params: dict[str, SamplingParams],
                  generators: dict[str, torch.Generator],
                  deferred: dict | None) -> list[TargetResult]:
-    V = logits.shape[-1]
+    """The rejection rule at a fixed [R, k+1] shape on the logits' device. Its inputs (the
+    guesses, q, the uniforms, whose positions are whose) are built on the host from what it
+    already holds and cross to the device once; the verdicts come back in ONE copy, so a step
+    never waits on the device in between (on a GPU each read is a synchronisation)."""
+    V, dev = logits.shape[-1], logits.device
     k = max(r.num_draft for r in rows)
     R = len(rows)
     row_params = [params[r.seq_id] for r in rows]
+    num_draft = [r.num_draft for r in rows]
     # Warp every position of a row with that row's params, as the draft's were.
     per_pos = [p for r, p in zip(rows, row_params, strict=True) for _ in range(r.num_draft + 1)]
     probs = warp_probs(logits, per_pos)
-    target = probs.new_zeros(R, k + 1, V)
-    drafts = torch.zeros(R, k, dtype=torch.long)
-    any_q = any(r.draft_q is not None for r in rows)
-    q = probs.new_zeros(R, k, V) if any_q else None
-    off = 0
-    for b, r in enumerate(rows):
-        n = r.num_draft
-        target[b, : n + 1] = probs[off: off + n + 1]
+    # Row b's position j is flat position at[b][j]; past its own k + 1 it repeats its last,
+    # which the rule never reads.
+    at, off = [], 0
+    for n in num_draft:
+        at.append([off + min(j, n) for j in range(k + 1)])
         off += n + 1
-        if n:
-            guesses = torch.tensor(r.tokens[-n:], dtype=torch.long)
-            drafts[b, :n] = guesses
-            if q is not None:
-                if r.draft_q is None:
-                    q[b, torch.arange(n), guesses] = 1.0  # one-hot q
-                else:
-                    ids, qp = r.draft_q
-                    q[b, :n].scatter_(1, ids[:n].long().to(q.device), qp[:n].to(q))
+    target = probs[torch.tensor(at, device=dev)]  # [R, k+1, V]
+    drafts = torch.zeros(R, k, dtype=torch.long)
+    for b, r in enumerate(rows):
+        if r.num_draft:
+            drafts[b, : r.num_draft] = torch.tensor(r.tokens[-r.num_draft:])
     out, emitted = rejection_sample(
-        drafts.to(probs.device), q, target, [generators[r.seq_id] for r in rows],
-        num_draft=torch.tensor([r.num_draft for r in rows], device=probs.device),
-        greedy=torch.tensor([p.greedy for p in row_params], device=probs.device),
-    )
-    out, emitted = out.tolist(), emitted.tolist()
+        drafts.to(dev), _draft_q(rows, drafts, V, dev), target,
+        num_draft=torch.tensor(num_draft, device=dev),
+        greedy=torch.tensor([p.greedy for p in row_params], device=dev),
+        uniforms=row_uniforms(num_draft, k + 1, [generators[r.seq_id] for r in rows]).to(dev))
+    # A deferred greedy row keeps its next position's argmax: computed for every row, read
+    # for those only, so it rides in the same copy.
+    best = target[torch.arange(R, device=dev), torch.tensor(num_draft, device=dev)].argmax(-1)
+    packed = torch.cat([out, emitted.unsqueeze(1), best.unsqueeze(1)], 1).tolist()  # the copy
     results = []
     for b, r in enumerate(rows):
-        n = r.num_draft
-        if r.defer_last and emitted[b] == n + 1 and deferred is not None:
+        n, kept = r.num_draft, packed[b][: k + 1]
+        emitted_b, best_b = packed[b][k + 1], packed[b][k + 2]
+        if r.defer_last and emitted_b == n + 1 and deferred is not None:
             # All kept: keep p at the next position instead of the bonus drawn from it.
-            deferred[r.seq_id] = target[b, n] if not row_params[b].greedy \
-                else int(target[b, n].argmax())
-            results.append(TargetResult(r.seq_id, out[b][:n], n, deferred=True))
+            deferred[r.seq_id] = best_b if row_params[b].greedy else target[b, n]
+            results.append(TargetResult(r.seq_id, kept[:n], n, deferred=True))
         else:
-            results.append(TargetResult(r.seq_id, out[b][: emitted[b]], emitted[b] - 1))
+            results.append(TargetResult(r.seq_id, kept[:emitted_b], emitted_b - 1))
     return results
+
+
+def _draft_q(rows: list[TargetRow], drafts: torch.Tensor, V: int, dev) -> torch.Tensor | None:
+    """q [R, k, V] on the device (None: every row one-hot, which the rule takes as None).
+    Each row's (ids, probs) are padded to one width where they lie (the host, for a draft
+    in another process or one that drafted in a loop), crossed in one copy each and added
+    onto zeros in one kernel (padding adds 0 to id 0)."""
+    given = [r.draft_q for r in rows if r.draft_q is not None]
+    if not given:
+        return None
+    R, k = drafts.shape
+    m = max(ids.shape[-1] for ids, _ in given)
+    home = given[0][0].device
+    ids = torch.zeros(R, k, m, dtype=torch.long, device=home)
+    qp = torch.zeros(R, k, m, dtype=torch.float32, device=home)
+    for b, r in enumerate(rows):
+        n = r.num_draft
+        if not n:
+            continue
+        if r.draft_q is None:  # one-hot q at the guess
+            ids[b, :n, 0], qp[b, :n, 0] = drafts[b, :n].to(home), 1.0
+        else:
+            rid, rp = r.draft_q
+            ids[b, :n, : rid.shape[-1]] = rid[:n].to(home, torch.long)
+            qp[b, :n, : rp.shape[-1]] = rp[:n].to(home, torch.float32)
+    q = torch.zeros(R, k, V, dtype=torch.float32, device=dev)
+    return q.scatter_add_(2, ids.to(dev), qp.to(dev))
 
 
 def resolve_heads(heads: dict[str, Head | None], deferred: dict[str, torch.Tensor | int],
