@@ -53,4 +53,6 @@ def run_rank(rank: int, world: int, port: int, ckpt: str, seqs, result_path: str
         torch.save(logits, result_path)
     else:
         follow(local, group, cache)
+    # The graphs each rank ran, in order: a capture under TP records exactly these.
+    torch.save([repr(g) for g in getattr(local, "graph_order", [])], f"{result_path}.rank{rank}")
     group.destroy()

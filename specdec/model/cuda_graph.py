@@ -38,9 +38,10 @@ class CapturedDecoder(StaticDecoder):
         return CapturedDecoder(self.model.limit_vocab(n))
 
     def _run(self, fn: StepFn, args: tuple, key: tuple):
-        got = self._graphs.get((fn, *key))
+        graph_key = self._note(fn, key)
+        got = self._graphs.get(graph_key)
         if got is None:
-            got = self._graphs[(fn, *key)] = self._capture(fn, args)
+            got = self._graphs[graph_key] = self._capture(fn, args)
         graph, out = got
         graph.replay()
         return out
@@ -55,7 +56,9 @@ class CapturedDecoder(StaticDecoder):
                 fn(*args)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a Ray actor's other threads (health checks, metrics) may touch CUDA
+        # while this one captures; only this thread's calls are held to capture's rules.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = fn(*args)
         self._pool = graph.pool()
         self.captures += 1

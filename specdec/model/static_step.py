@@ -193,6 +193,11 @@ class StaticDecoder:
         self._compiled: dict[StepFn, StepFn] = {}
         self._buffers: dict[tuple[Bucket, int], StepBuffers] = {}
         self.loop_buffers: dict[tuple, object] = {}  # the draft loop's (draft_loop.py)
+        # Each graph's (function, shape) in the order first run: what a capture records, so
+        # under tensor parallelism every rank's list must be the same, or the collectives
+        # recorded in their graphs would not line up.
+        self.graph_order: list[tuple] = []
+        self._noted: set[tuple] = set()
         self.static_steps = self.eager_steps = self.loop_rounds = 0
 
     def limit_vocab(self, n: int) -> StaticDecoder:
@@ -243,8 +248,16 @@ class StaticDecoder:
 
     forward = __call__
 
+    def _note(self, fn: StepFn, key: tuple) -> tuple:
+        graph = (fn.__name__, *key)
+        if graph not in self._noted:
+            self._noted.add(graph)
+            self.graph_order.append(graph)
+        return graph
+
     def _run(self, fn: StepFn, args: tuple, key: tuple):
         """fn(*args), compiled once per function when asked (one graph per bucket: key)."""
+        self._note(fn, key)
         if not self.compiled:
             return fn(*args)
         done = self._compiled.get(fn)

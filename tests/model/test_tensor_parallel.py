@@ -66,6 +66,10 @@ def test_tp_static_step_equals_single_process_eager(world, fixture, request, tmp
         diff = (got[mode] - e).abs().max().item()
         assert diff <= 1e-4, f"TP={world} static {mode}: max abs diff {diff}"
         assert torch.equal(got[f"{mode}:argmax"], e.argmax(-1)), mode
+    # What capture under TP rests on: every rank ran the same graphs in the same order
+    # (each records its collectives in the order it meets them).
+    orders = [torch.load(tmp_path / f"tp{world}.pt.rank{r}") for r in range(world)]
+    assert len(orders[0]) >= 4 and all(o == orders[0] for o in orders), orders
 
 
 def test_kv_heads_are_replicated_where_ranks_straddle_groups():
