@@ -367,3 +367,51 @@ def test_a_draft_probe_drafts_twice_and_only_the_second_round_is_priced():
         machine.now += 0.17
     assert list(policy.draft_round_cost.live) == [(float(k), 1.0)]
     assert sum(policy.probes.values()) == 1  # one probe, two steps
+
+
+def gpu_eager_step(tokens: int) -> float:
+    """One H200, eager (README, "On a GPU"): every forward ~16.7 ms, bound by the host."""
+    return 0.0167
+
+
+def gpu_eager_draft(k: int, rows: int) -> float:
+    return 0.86 * 0.0167 * k  # c = 0.86: the 0.5B draft is host-bound too
+
+
+def gpu_captured_step(tokens: int) -> float:
+    """Captured graphs: the weights' read time; a few more tokens are nearly free."""
+    return 0.0020 if tokens <= 1 else 0.0021 + 0.00005 * tokens
+
+
+def gpu_captured_draft(k: int, rows: int) -> float:
+    return 0.0001 + 0.0006 * k * (1 + 0.05 * rows)  # c = 0.3, near the weight ratio
+
+
+def test_the_captured_step_shape_is_learned_from_live_steps():
+    """Eager on a GPU, speculation cannot pay (verify = plain, c = 0.86): plain. Captured,
+    a verify costs about a plain step and c falls to 0.3. Started with the eager costs (a
+    calibration before the graphs existed), the policy reads the new shape off its live
+    steps and probes, and speculates at the k a calibration of the captured step picks."""
+    eager = Machine(gpu_eager_step, gpu_eager_draft)
+    policy = new_policy(eager, probe_interval_s=20.0)
+    calibrate(policy, gpu_eager_step, gpu_eager_draft)
+    assert set(serve_steps(policy, eager, 200)) <= {0, None}
+    assert max(p["speedup"] for p in policy.report(["draft"])["priced_one_row"]) < 1.0
+
+    captured = Machine(gpu_captured_step, gpu_captured_draft)
+    policy = new_policy(captured, probe_interval_s=20.0)
+    calibrate(policy, gpu_eager_step, gpu_eager_draft)
+    assert admitted(policy) == "plain"
+    ks = serve_steps(policy, captured, 3000)  # about 7 s of serving
+    assert settled(ks, True) <= 5, ks[:20]
+    assert admitted(policy) == "speculative"
+    priced = {p["k"]: p for p in policy.report(["draft"])["priced_one_row"]}
+    assert all(p["verify_live"] and p["draft_live"] for p in priced.values())
+    assert priced[3]["verify_ms"] <= 1.25 * priced[3]["plain_ms"]  # verify ~ plain
+    assert priced[3]["draft_ms"] <= 0.4 * 3 * priced[3]["plain_ms"]  # c <= 0.4
+    quiet = new_policy(Machine(gpu_captured_step, gpu_captured_draft), probe_interval_s=20.0)
+    calibrate(quiet, gpu_captured_step, gpu_captured_draft)
+    chosen = [k for k in ks if k is not None][-5:]
+    assert chosen == [k for k in serve_steps(quiet, Machine(gpu_captured_step,
+                                                            gpu_captured_draft), 60)
+                      if k is not None][-5:]
