@@ -71,9 +71,10 @@ def _hf_rows(args, sets, progress) -> list[dict]:
 
 def _our_rows(args, sets, progress) -> list[dict]:
     spec = EngineSpec(
-        target=ModelGroupConfig(model=args.target, dtype=args.dtype),
+        target=ModelGroupConfig(model=args.target, dtype=args.dtype, step=args.step),
         draft=DraftGroupConfig(model=args.draft, dtype=args.dtype, sampling="greedy",
-                               vocab_limit=args.draft_vocab_limit, resources={"num_cpus": 0}),
+                               vocab_limit=args.draft_vocab_limit, resources={"num_cpus": 0},
+                               step=args.step),
         runtime=RuntimeConfig(max_slots=max(args.batch, 1), max_len=2048), warmup=False)
     engine = assemble(spec, LocalBackend(args.device)).engine
     configs = [("plain", "none", 0, None)] + [("draft", "draft", k, None) for k in args.k] + \
@@ -117,6 +118,7 @@ def measure_costs(args) -> dict:
     """c (draft step / target step) and v (verify of k+1 tokens / plain step), batch 1."""
     from specdec.model.batch import BatchInput
     from specdec.model.decoder import Decoder
+    from specdec.model.step_mode import with_step
 
     dtype = dtype_from_name(args.dtype)
     out = {}
@@ -124,18 +126,20 @@ def measure_costs(args) -> dict:
         m = Decoder.from_checkpoint(hub.resolve(ref), dtype, args.device)
         if role == "draft" and args.draft_vocab_limit:
             m = m.limit_vocab(args.draft_vocab_limit)
+        m = with_step(m, args.step)
         cache = m.new_cache(1, 512)
         m(BatchInput.build([(0, 0, list(range(100, 300)))], m.device), cache)
         times = {}
         for n in (1, 5):
             ts = []
-            for _ in range(5):
+            for i in range(6):  # the first (a compile or a capture, once) is not timed
                 t = time.perf_counter()
                 m(BatchInput.build([(0, 200, list(range(300, 300 + n)))], m.device), cache,
                   torch.arange(n, device=m.device))
                 if m.device.type == "cuda":
                     torch.cuda.synchronize()
-                ts.append(time.perf_counter() - t)
+                if i:
+                    ts.append(time.perf_counter() - t)
             times[n] = median(ts)
         out[role] = times
         del m
@@ -169,7 +173,8 @@ def main(args) -> int:
     cols = ["prompt_set", "method", "k", "confidence", "batch", "tokens_per_s", "mean_acceptance_length",
             "speedup_vs_our_plain", "speedup_vs_hf_plain", "speedup_vs_hf_assisted"]
     hf = "" if args.no_hf else f" (transformers {hf_dtype_name(args)})"
-    print_table(rows, cols, title=f"{args.target} + {args.draft}, {args.dtype}{hf}, "
+    print_table(rows, cols, title=f"{args.target} + {args.draft}, {args.dtype}, step "
+                                  f"{args.step}{hf}, "
                                   f"{args.max_tokens} new tokens, greedy, medians")
     if args.costs:
         costs = measure_costs(args)

@@ -44,6 +44,9 @@ def _args_decode(bench) -> None:
     b_dec.add_argument("--ngram-k", type=int, default=4)
     b_dec.add_argument("--batch", type=int, default=1)
     b_dec.add_argument("--device", default="cpu", help="cpu or cuda")
+    b_dec.add_argument("--step", default="eager",
+                       choices=["eager", "static", "compiled", "captured"],
+                       help="how both models run each forward (captured: CUDA graphs)")
     b_dec.add_argument("--draft-vocab-limit", type=int, default=None,
                        help="the draft guesses only among the first N token ids")
     b_dec.add_argument("--draft-confidence", type=float, nargs="*", default=[],

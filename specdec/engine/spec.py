@@ -75,6 +75,9 @@ class ModelGroupConfig(BaseModel):
         "static step through torch.compile, one graph per bucket, compiled on first use. "
         "captured (CUDA only): each bucket's static step captured once as a CUDA graph and "
         "replayed, all buckets sharing one memory pool. "
+        "A one-rank draft that is not eager runs each round as one loop (its k guesses "
+        "picked on the device, one copy to the host; a graph per rows x keys x k), except "
+        "while overlapped with the target or for rows with top_k/top_p. "
         "Prefill chunks and batch-invariant formats (int8, w8a8) always run eager."))
 
     def threads_per_rank(self) -> int:

@@ -134,3 +134,20 @@ def test_inductor_compiled_loop_equals_eager(tiny_llama):
     rows = {"hot": (12, 3, SamplingParams(temperature=1.0, seed=5)),
             "greedy": (14, 3, SamplingParams(temperature=0.0))}
     _rounds(eager, looped, rows, n=1)
+
+
+def test_a_one_rank_group_drafts_in_loops_a_wider_one_step_by_step(tiny_llama):
+    """The draft as a Ray actor drives its model through the group's leader: alone on its
+    rank it runs the loop; with followers (who could not follow a loop) it does not."""
+    from types import SimpleNamespace
+
+    from specdec.model.draft_loop import loop_decoder
+    from specdec.model.parallel import Group, LeaderDecoder
+
+    model = Decoder.from_checkpoint(tiny_llama, torch.float32)
+    static = StaticDecoder(Group(0, 1, "tcp://127.0.0.1:1", "cpu", 10).attach(model))
+    leader = LeaderDecoder(static, SimpleNamespace(world=1), static.new_cache(4, 96))
+    looped = DraftModelProposer(leader, 4, 96)
+    assert looped._loop is static
+    _rounds(DraftModelProposer(model, 4, 96), looped, n=2)
+    assert loop_decoder(LeaderDecoder(static, SimpleNamespace(world=2), leader.cache)) is None
