@@ -166,8 +166,12 @@ def _sample_rows(rows: list[TargetRow], logits: torch.Tensor,
         greedy=torch.tensor([p.greedy for p in row_params], device=dev),
         uniforms=row_uniforms(num_draft, k + 1, [generators[r.seq_id] for r in rows]).to(dev))
     # A deferred greedy row keeps its next position's argmax: computed for every row, read
-    # for those only, so it rides in the same copy.
-    best = target[torch.arange(R, device=dev), torch.tensor(num_draft, device=dev)].argmax(-1)
+    # for those only, so it rides in the same copy (skipped when no row could defer so).
+    if any(r.defer_last and p.greedy for r, p in zip(rows, row_params, strict=True)):
+        best = target[torch.arange(R, device=dev), torch.tensor(num_draft, device=dev)]
+        best = best.argmax(-1)
+    else:
+        best = torch.zeros(R, dtype=torch.long, device=dev)
     packed = torch.cat([out, emitted.unsqueeze(1), best.unsqueeze(1)], 1).tolist()  # the copy
     results = []
     for b, r in enumerate(rows):
