@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 from specdec.model.kv_cache import KVCache
 from specdec.model.sampling import draw_with_uniform
@@ -93,7 +92,8 @@ def pick(logits: torch.Tensor, temps: torch.Tensor, greedy: torch.Tensor, u: tor
         return ids, conf, None, None
     vocab = logits.shape[-1]
     warped = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
-    one_hot = F.one_hot(logits.argmax(-1), vocab).to(warped.dtype)
+    # Not F.one_hot: off CUDA it checks its ids' range by reading them on the host.
+    one_hot = torch.zeros_like(warped).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
     probs = torch.where(greedy.unsqueeze(1), one_hot, warped)
     if top_m and top_m < vocab:
         top, ids = probs.topk(top_m, dim=-1)
