@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from specdec.model.host_copy import longs_to_device, to_device
+
 
 @dataclasses.dataclass
 class BatchInput:
@@ -25,19 +27,19 @@ class BatchInput:
     starts: list[int]         # tokens already in the cache before this forward, per row
     max_query: int
     kv_len: int               # longest context in the batch after this forward
+    # The host's own copies of what a tensor-parallel leader sends its followers: reading
+    # them back from the device would wait for it.
+    slot_list: list[int] = dataclasses.field(default_factory=list)   # [B]
+    token_list: list[int] = dataclasses.field(default_factory=list)  # [T]
 
     @property
     def num_rows(self) -> int:
         return len(self.query_lens)
 
     def last_token_indices(self) -> torch.Tensor:
-        """Flat index of each row's last new token (where plain decoding reads logits)."""
-        ends = torch.tensor(self.query_lens, dtype=torch.long).cumsum(0) - 1
-        return ends.to(self.token_ids.device)
-
-    def row_token_indices(self, row: int) -> torch.Tensor:
-        off = sum(self.query_lens[:row])
-        return torch.arange(off, off + self.query_lens[row], device=self.token_ids.device)
+        """Flat index of each row's last new token (where plain decoding reads logits), on
+        the host: the forward moves it with its other inputs."""
+        return torch.tensor(self.query_lens, dtype=torch.long).cumsum(0) - 1
 
     @classmethod
     def build(
@@ -64,13 +66,23 @@ class BatchInput:
             col_tok.extend(range(n))
         lens = [len(ids) for _, _, ids in rows]
         starts = [start for _, start, _ in rows]
-
-        def t(x):
-            return torch.tensor(x, dtype=torch.long, device=device)
-
+        slots = [int(s) for s, _, _ in rows]
+        # One copy to the device for all six index vectors (host_copy.py: why).
+        token_ids, positions, slot_of_token, slot_t, row_of_token, col_of_token = \
+            longs_to_device([toks, pos, slot_tok, slots, row_tok, col_tok], device)
         return cls(
-            token_ids=t(toks), positions=t(pos), slot_of_token=t(slot_tok),
-            slots=t([s for s, _, _ in rows]), row_of_token=t(row_tok), col_of_token=t(col_tok),
+            token_ids=token_ids, positions=positions, slot_of_token=slot_of_token,
+            slots=slot_t, row_of_token=row_of_token, col_of_token=col_of_token,
             query_lens=lens, starts=starts, max_query=max(lens),
             kv_len=max(s + n for s, n in zip(starts, lens, strict=True)),
+            slot_list=slots, token_list=toks,
         )
+
+
+def logits_at(logit_indices: torch.Tensor | None, batch: BatchInput,
+              device: torch.device) -> torch.Tensor:
+    """Which flat tokens get logits, on `device` (default: each row's last token). Callers
+    build them on the host; one still on the device stays there."""
+    if logit_indices is None:
+        logit_indices = batch.last_token_indices()
+    return to_device(logit_indices, device)

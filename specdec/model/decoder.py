@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.model.batch import BatchInput
+from specdec.model.batch import BatchInput, logits_at
 from specdec.model.config import DecoderConfig
 from specdec.model.kv_cache import KVCache
 from specdec.model.linear import Linear
@@ -221,9 +221,8 @@ class Decoder:
             x = x + self._attention(i, layer, h, batch, attn, cache, rotary)
             h = _rms_norm(x, layer.w["post_norm"], layer.eps)
             x = x + self._mlp(layer, h)
-        if logit_indices is None:
-            logit_indices = batch.last_token_indices()
-        h = _rms_norm(x[logit_indices], self.norm, self.cfg.rms_norm_eps)
+        h = _rms_norm(x[logits_at(logit_indices, batch, x.device)], self.norm,
+                      self.cfg.rms_norm_eps)
         if self.lm_head is None:  # no projection loaded
             return h.new_empty(h.shape[0], 0, dtype=torch.float32)
         logits = self.lm_head(h).float()
@@ -293,8 +292,10 @@ class _PerTokenPlan:
     padded grid or mask to build)."""
 
     def __init__(self, batch: BatchInput) -> None:
-        self.per_token = list(zip(batch.slot_of_token.tolist(),
-                                  (batch.positions + 1).tolist(), strict=True))
+        # From the host's own lists: reading the index tensors back would wait for the device.
+        self.per_token = [(slot, start + j + 1) for slot, start, n in
+                          zip(batch.slot_list, batch.starts, batch.query_lens, strict=True)
+                          for j in range(n)]
 
 
 class _AttentionPlan:
@@ -304,7 +305,7 @@ class _AttentionPlan:
         self.batch = batch
         B, Q, K = batch.num_rows, batch.max_query, batch.kv_len
         dev = batch.token_ids.device
-        self.single_slot = int(batch.slots[0]) if B == 1 else None
+        self.single_slot = batch.slot_list[0] if B == 1 else None
         self.dense = all(n == Q for n in batch.query_lens)
         qpos = torch.full((B, Q), -1, dtype=torch.long, device=dev)
         qpos[batch.row_of_token, batch.col_of_token] = batch.positions

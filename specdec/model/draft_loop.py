@@ -23,6 +23,7 @@ import dataclasses
 
 import torch
 
+from specdec.model.host_copy import to_device_all
 from specdec.model.kv_cache import KVCache
 from specdec.model.sampling import draw_with_uniform
 from specdec.model.static_step import MIN_KEYS, StaticDecoder, _power_of_two, static_forward
@@ -64,12 +65,17 @@ class LoopBuffers:
     def fill(self, logits0: torch.Tensor, positions: list[int], slots: list[int],
              temps: list[float], greedy: list[bool], u: torch.Tensor) -> None:
         n, dev = len(positions), self.positions.device
+        # The host's values cross in one copy per dtype (host_copy.py: why).
+        pos_d, slots_d, temps_d, greedy_d, u_d = to_device_all(
+            [torch.tensor(positions, dtype=torch.long), torch.tensor(slots, dtype=torch.long),
+             torch.tensor(temps, dtype=torch.float32), torch.tensor(greedy, dtype=torch.bool),
+             u.float()], dev)
         self.logits0.zero_()[:n].copy_(logits0.float())
-        self.positions.fill_(-1)[:n].copy_(torch.tensor(positions, device=dev))
-        self.slots.fill_(self.scratch)[:n].copy_(torch.tensor(slots, device=dev))
-        self.temps.fill_(1.0)[:n].copy_(torch.tensor(temps, device=dev))
-        self.greedy.fill_(True)[:n].copy_(torch.tensor(greedy, device=dev))
-        self.u.fill_(0.5)[:n].copy_(u)
+        self.positions.fill_(-1)[:n].copy_(pos_d)
+        self.slots.fill_(self.scratch)[:n].copy_(slots_d)
+        self.temps.fill_(1.0)[:n].copy_(temps_d)
+        self.greedy.fill_(True)[:n].copy_(greedy_d)
+        self.u.fill_(0.5)[:n].copy_(u_d)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.logits0, self.positions, self.slots, self.temps, self.greedy, self.u

@@ -142,10 +142,9 @@ def pick_argmax(best: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def encode_batch(batch: BatchInput) -> torch.Tensor:
     """[B, slots.., starts.., lens.., tokens..] as one int64 tensor."""
-    head = torch.tensor([batch.num_rows], dtype=torch.long)
-    return torch.cat([head, batch.slots.cpu(), torch.tensor(batch.starts, dtype=torch.long),
-                      torch.tensor(batch.query_lens, dtype=torch.long),
-                      batch.token_ids.cpu()])
+    # From the host's own lists: reading the device's copies would wait for the device.
+    return torch.tensor([batch.num_rows, *batch.slot_list, *batch.starts, *batch.query_lens,
+                         *batch.token_list], dtype=torch.long)
 
 
 def decode_batch(payload: torch.Tensor, device) -> BatchInput:
@@ -183,7 +182,7 @@ class LeaderDecoder:
             # in the same reduction (gather or argmax): send them both.
             if logit_indices is None:
                 logit_indices = batch.last_token_indices()
-            idx = logit_indices.to(torch.long).cpu()
+            idx = logit_indices.to(torch.long).cpu()  # built on the host: no device read
             payload = torch.cat([encode_batch(batch), idx])
             header = torch.tensor([_STEP, payload.numel(), idx.numel(), int(argmax)],
                                   dtype=torch.long)
@@ -217,6 +216,6 @@ def follow(local: Decoder, group: Group, cache: KVCache) -> int:
         dist.broadcast(payload, src=0, group=group.control)
         n_idx = int(header[2])
         batch_part, idx = payload[: payload.numel() - n_idx], payload[payload.numel() - n_idx:]
-        local(decode_batch(batch_part, local.device), cache, idx.to(local.device),
+        local(decode_batch(batch_part, local.device), cache, idx,
               argmax=bool(header[3]))
         steps += 1

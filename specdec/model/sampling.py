@@ -11,6 +11,8 @@ import dataclasses
 
 import torch
 
+from specdec.model.host_copy import to_device, to_device_all
+
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
@@ -66,14 +68,13 @@ def warp_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
     greedy = [i for i, p in enumerate(params) if p.greedy]
     hot = [i for i, p in enumerate(params) if not p.greedy]
     if greedy:
-        idx = torch.tensor(greedy, device=logits.device)
+        idx = to_device(torch.tensor(greedy), logits.device)
         out[idx] = 0.0
         out[idx, logits[idx].argmax(-1)] = 1.0
     if hot:
-        idx = torch.tensor(hot, device=logits.device)
-        temps = torch.tensor([params[i].temperature for i in hot],
-                             device=logits.device).unsqueeze(1)
-        scaled = logits[idx] / temps
+        idx, temps = to_device_all([torch.tensor(hot), torch.tensor(
+            [float(params[i].temperature) for i in hot])], logits.device)
+        scaled = logits[idx] / temps.unsqueeze(1)
         top_k = [params[i].top_k for i in hot]
         top_p = [params[i].top_p for i in hot]
         if any(k > 0 for k in top_k) or any(p < 1 for p in top_p):
@@ -86,13 +87,14 @@ def _cut_top_k_top_p(scaled: torch.Tensor, top_k: list[int], top_p: list[float])
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     V = scaled.shape[-1]
     rank = torch.arange(V, device=scaled.device).unsqueeze(0)
-    k = torch.tensor([kk if kk > 0 else V for kk in top_k], device=scaled.device).unsqueeze(1)
+    k, p = to_device_all([torch.tensor([kk if kk > 0 else V for kk in top_k]),
+                          torch.tensor([float(x) for x in top_p])], scaled.device)
+    k, p = k.unsqueeze(1), p.unsqueeze(1)
     drop = rank >= k
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before
     # it already reaches top_p. The top token always stays.
     before = probs.cumsum(-1) - probs
-    p = torch.tensor(top_p, device=scaled.device).unsqueeze(1)
     drop |= before >= p
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)

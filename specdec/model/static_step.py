@@ -34,7 +34,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from specdec.model.batch import BatchInput
+from specdec.model.batch import BatchInput, logits_at
 from specdec.model.decoder import Decoder, _rms_norm, _rotate_half
 from specdec.model.kv_cache import KVCache
 
@@ -102,7 +102,9 @@ def flatten(batch: BatchInput) -> BatchInput:
         col_of_token=torch.zeros(t, dtype=torch.long, device=dev), query_lens=[1] * t,
         starts=[s + j for s, n in zip(batch.starts, batch.query_lens, strict=True)
                 for j in range(n)],
-        max_query=1, kv_len=batch.kv_len)
+        max_query=1, kv_len=batch.kv_len, token_list=batch.token_list,
+        slot_list=[s for s, n in zip(batch.slot_list, batch.query_lens, strict=True)
+                   for _ in range(n)])
 
 
 @torch.library.custom_op("specdec::kv_write", mutates_args=("k_cache", "v_cache"))
@@ -226,8 +228,7 @@ class StaticDecoder:
             return self.model(batch, cache, logit_indices, argmax=argmax)
         if batch.kv_len > cache.max_len:
             raise ValueError(f"sequence length {batch.kv_len} exceeds the cache ({cache.max_len})")
-        if logit_indices is None:
-            logit_indices = batch.last_token_indices()
+        logit_indices = logits_at(logit_indices, batch, self.device)
         if self.layout == "flat":
             batch = flatten(batch)  # the same flat token order: logit_indices still hold
         bucket = Bucket.of(batch, cache.max_len)

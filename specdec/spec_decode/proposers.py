@@ -17,6 +17,7 @@ import torch
 from specdec.model.batch import BatchInput
 from specdec.model.decoder import Decoder
 from specdec.model.draft_loop import loop_decoder, run_loop
+from specdec.model.host_copy import to_device
 from specdec.model.sampling import SamplingParams, draw_with_uniform, make_generator, warp_probs
 from specdec.spec_decode.overlap import ThreadWindow
 from specdec.spec_decode.proposal import DraftWindow, Proposal, ProposeInput
@@ -245,7 +246,7 @@ class DraftModelProposer:
         u = torch.full((len(inputs), k), 0.5) if u is None else u
         g = run_loop(self._loop, self.cache, logits0, [len(i.context) for i in inputs],
                      [s.slot for s in seqs], [p.temperature or 1.0 for p in dparams],
-                     [p.greedy for p in dparams], u.to(self.model.device), k, sampled,
+                     [p.greedy for p in dparams], u, k, sampled,
                      self.q_top_m or 0)
         out = []
         for b, i in enumerate(inputs):
@@ -272,17 +273,18 @@ class DraftModelProposer:
         if ids_only:
             return logits.tolist(), None, None, None
         if greedy:
-            picks = logits.argmax(-1).tolist()
-            return picks, None, None, self._greedy_confidence(logits, picks)
+            best = logits.argmax(-1)
+            return best.tolist(), None, None, self._greedy_confidence(logits, best)
         ids, probs = self._top_m(warp_probs(logits, dparams))
-        local = draw_with_uniform(probs, u.to(probs.device)).unsqueeze(1)
+        local = draw_with_uniform(probs, to_device(u, probs.device)).unsqueeze(1)
         picks = ids.gather(1, local).squeeze(1)
         conf = probs.gather(1, local).squeeze(1)
         if self.confidence_threshold is not None and any(p.greedy for p in dparams):
             # A greedy row's confidence is its argmax's probability whatever shares its
             # batch (its warped q is one-hot: always 1).
-            greedy_rows = torch.tensor([p.greedy for p in dparams], device=conf.device)
-            sure = self._greedy_confidence(logits, picks.tolist())
+            # (Its pick is its argmax: warp_probs made its row one-hot there.)
+            greedy_rows = to_device(torch.tensor([p.greedy for p in dparams]), conf.device)
+            sure = self._greedy_confidence(logits, logits.argmax(-1))
             conf = torch.where(greedy_rows, sure, conf)
         return picks.tolist(), ids, probs, conf
 
@@ -305,9 +307,8 @@ class DraftModelProposer:
         return ids, top / top.sum(-1, keepdim=True)
 
     @staticmethod
-    def _greedy_confidence(logits: torch.Tensor, picks: list[int]) -> torch.Tensor:
-        idx = torch.tensor(picks, device=logits.device).unsqueeze(1)
-        return torch.softmax(logits.float(), -1).gather(1, idx).squeeze(1)
+    def _greedy_confidence(logits: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits.float(), -1).gather(1, picks.unsqueeze(1)).squeeze(1)
 
     def _sure(self, conf: torch.Tensor | None) -> list[bool] | _Always:
         """Whether each row's draft is confident enough in its latest guess to go on: its

@@ -16,6 +16,7 @@ import torch
 
 from specdec.model.batch import BatchInput
 from specdec.model.decoder import Decoder
+from specdec.model.host_copy import to_device, to_device_all
 from specdec.model.kv_cache import KVCache
 from specdec.model.sampling import SamplingParams, make_generator, warp_probs
 from specdec.spec_decode.calls import CallStats
@@ -103,8 +104,8 @@ def verify_step(model: Decoder, cache: KVCache, rows: list[TargetRow],
     chosen = [rows[i] for i in sampled]
     # All-greedy batches need only the argmax (under TP a reduction, not a logits gather).
     greedy = bool(chosen) and all(params[r.seq_id].greedy for r in chosen)
-    out = model(batch, cache, torch.tensor(idx, dtype=torch.long, device=model.device),
-                argmax=greedy)
+    # The positions stay on the host: the forward moves them with its other inputs.
+    out = model(batch, cache, torch.tensor(idx, dtype=torch.long), argmax=greedy)
     if not sampled:
         return []
     if greedy:
@@ -155,21 +156,27 @@ def _sample_rows(rows: list[TargetRow], logits: torch.Tensor,
     for n in num_draft:
         at.append([off + min(j, n) for j in range(k + 1)])
         off += n + 1
-    target = probs[torch.tensor(at, device=dev)]  # [R, k+1, V]
     drafts = torch.zeros(R, k, dtype=torch.long)
     for b, r in enumerate(rows):
         if r.num_draft:
             drafts[b, : r.num_draft] = torch.tensor(r.tokens[-r.num_draft:])
-    out, emitted = rejection_sample(
-        drafts.to(dev), _draft_q(rows, drafts, V, dev), target,
-        num_draft=torch.tensor(num_draft, device=dev),
-        greedy=torch.tensor([p.greedy for p in row_params], device=dev),
-        uniforms=row_uniforms(num_draft, k + 1, [generators[r.seq_id] for r in rows]).to(dev))
+    q_ids, q_probs = _draft_q(rows, drafts)
+    # Everything the host built crosses in one copy per dtype (host_copy.py: why).
+    at_d, drafts_d, n_d, greedy_d, u_d, *q_d = to_device_all(
+        [torch.tensor(at), drafts, torch.tensor(num_draft),
+         torch.tensor([p.greedy for p in row_params]),
+         row_uniforms(num_draft, k + 1, [generators[r.seq_id] for r in rows]),
+         *([] if q_ids is None else [q_ids, q_probs])], dev)
+    target = probs[at_d]  # [R, k+1, V]
+    q = None
+    if q_d:
+        q = torch.zeros(R, k, V, dtype=torch.float32, device=dev).scatter_add_(2, *q_d)
+    out, emitted = rejection_sample(drafts_d, q, target, num_draft=n_d, greedy=greedy_d,
+                                    uniforms=u_d)
     # A deferred greedy row keeps its next position's argmax: computed for every row, read
     # for those only, so it rides in the same copy (skipped when no row could defer so).
     if any(r.defer_last and p.greedy for r, p in zip(rows, row_params, strict=True)):
-        best = target[torch.arange(R, device=dev), torch.tensor(num_draft, device=dev)]
-        best = best.argmax(-1)
+        best = target[torch.arange(R, device=dev), n_d].argmax(-1)
     else:
         best = torch.zeros(R, dtype=torch.long, device=dev)
     packed = torch.cat([out, emitted.unsqueeze(1), best.unsqueeze(1)], 1).tolist()  # the copy
@@ -186,31 +193,34 @@ def _sample_rows(rows: list[TargetRow], logits: torch.Tensor,
     return results
 
 
-def _draft_q(rows: list[TargetRow], drafts: torch.Tensor, V: int, dev) -> torch.Tensor | None:
-    """q [R, k, V] on the device (None: every row one-hot, which the rule takes as None).
-    Each row's (ids, probs) are padded to one width where they lie (the host, for a draft
-    in another process or one that drafted in a loop), crossed in one copy each and added
-    onto zeros in one kernel (padding adds 0 to id 0)."""
+def _draft_q(rows: list[TargetRow], drafts: torch.Tensor
+             ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """q as (ids, probs) [R, k, m], to be added onto zeros over the vocabulary in one kernel
+    on the device (padding adds 0 to id 0); None: every row one-hot, which the rule takes as
+    None. Rows are padded to one width where the draft's q lies: the host, for a draft in
+    another process or one that drafted in a loop; the device, for an eager draft beside the
+    target (moving it to the host would wait for the device)."""
     given = [r.draft_q for r in rows if r.draft_q is not None]
     if not given:
-        return None
+        return None, None
     R, k = drafts.shape
     m = max(ids.shape[-1] for ids, _ in given)
     home = given[0][0].device
     ids = torch.zeros(R, k, m, dtype=torch.long, device=home)
     qp = torch.zeros(R, k, m, dtype=torch.float32, device=home)
+    if home.type != "cpu":
+        drafts = to_device(drafts, home)
     for b, r in enumerate(rows):
         n = r.num_draft
         if not n:
             continue
         if r.draft_q is None:  # one-hot q at the guess
-            ids[b, :n, 0], qp[b, :n, 0] = drafts[b, :n].to(home), 1.0
+            ids[b, :n, 0], qp[b, :n, 0] = drafts[b, :n], 1.0
         else:
             rid, rp = r.draft_q
             ids[b, :n, : rid.shape[-1]] = rid[:n].to(home, torch.long)
             qp[b, :n, : rp.shape[-1]] = rp[:n].to(home, torch.float32)
-    q = torch.zeros(R, k, V, dtype=torch.float32, device=dev)
-    return q.scatter_add_(2, ids.to(dev), qp.to(dev))
+    return ids, qp
 
 
 def resolve_heads(heads: dict[str, Head | None], deferred: dict[str, torch.Tensor | int],
@@ -226,19 +236,23 @@ def resolve_heads(heads: dict[str, Head | None], deferred: dict[str, torch.Tenso
             out[seq_id] = Resolved(p, head is not None and head.token == p)
             continue
         x = head.token if head is not None else 0
+        n = 1 if head is not None else 0
+        # The host's inputs in one copy per dtype; the verdict back in one read.
+        x_d, n_d, u_d = to_device_all([torch.tensor([[x]]), torch.tensor([n]),
+                                       row_uniforms([n], 2, [generators[seq_id]])], p.device)
         q = None
         if head is not None:
             q = torch.zeros(1, 1, p.shape[-1], dtype=p.dtype, device=p.device)
             if head.q_probs is None:
                 q[0, 0, x] = 1.0
             else:
-                q[0, 0].scatter_(0, head.q_ids.long().to(p.device), head.q_probs.to(p))
+                q[0, 0].scatter_(0, to_device(head.q_ids.long(), p.device),
+                                 to_device(head.q_probs, p.device).to(p.dtype))
         target = torch.stack([p, p]).unsqueeze(0)  # [1, 2, V]; position 2 is never used
-        toks, emitted = rejection_sample(
-            torch.tensor([[x]], device=p.device), q, target, [generators[seq_id]],
-            num_draft=torch.tensor([1 if head is not None else 0], device=p.device))
+        toks, emitted = rejection_sample(x_d, q, target, num_draft=n_d, uniforms=u_d)
+        token, emitted = torch.stack([toks[0, 0], emitted[0]]).tolist()
         # A kept head is followed by the (unused) bonus: two emitted.
-        out[seq_id] = Resolved(int(toks[0, 0]), head is not None and int(emitted[0]) == 2)
+        out[seq_id] = Resolved(token, head is not None and emitted == 2)
     return out
 
 
