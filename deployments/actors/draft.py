@@ -44,6 +44,7 @@ class RayDraftProposer:
         self._rebuilding = False
         self.failures = 0
         self.last_call: CallStats | None = None
+        self.graph_builds = 0  # the group's, as of its last reply
         self.overlaps = True
         self._closed = False
         self._window_id = 0
@@ -81,7 +82,7 @@ class RayDraftProposer:
             reply = self.group.get(ref, "draft")
         except (GroupFailed, ShardError) as exc:
             self._lost(exc)
-        proposals, compute_s = unpack(reply)
+        proposals, compute_s, self.graph_builds = unpack(reply)
         self.last_call = CallStats(compute_s, sent_bytes + len(reply))
         return proposals
 

@@ -29,6 +29,7 @@ from specdec.model.decoder import Decoder
 from specdec.model.openmp import omp_max_threads
 from specdec.model.parallel import Group, LeaderDecoder, follow
 from specdec.model.sharding import ShardSpec
+from specdec.model.static_step import graph_builds
 from specdec.model.step_mode import with_step
 from specdec.pack.hub import resolve
 from specdec.ports import free_port
@@ -125,7 +126,8 @@ class ModelShard:
     @ray.method(concurrency_group="compute")
     def target_step(self, blob: bytes) -> bytes:
         """Packed (rows, sequences started, sequences ended) in; packed (results, the seconds
-        spent here) out: the caller's wall time minus those seconds is the call itself."""
+        spent here, graphs built so far) out: the caller's wall time minus those seconds is
+        the call itself."""
         assert self.runner is not None
         rows, started, ended = unpack(blob)
         t0 = time.perf_counter()
@@ -134,17 +136,18 @@ class ModelShard:
         for seq_id, params in started.items():
             self.runner.start_sequence(seq_id, params)
         results = self.runner.step(rows)
-        return pack((results, time.perf_counter() - t0))
+        return pack((results, time.perf_counter() - t0, graph_builds(self.runner)))
 
     # ---- rank 0 of the draft group --------------------------------------------------------
 
     @ray.method(concurrency_group="compute")
     def draft_propose(self, blob: bytes) -> bytes:
-        """Packed (context deltas, sequences released) in; packed (proposals, seconds) out."""
+        """Packed (context deltas, sequences released) in; packed (proposals, seconds, graphs
+        built so far) out."""
         t0 = time.perf_counter()
         inputs = self._draft_inputs(*unpack(blob))
         proposals = self.proposer.propose(inputs)
-        return pack((proposals, time.perf_counter() - t0))
+        return pack((proposals, time.perf_counter() - t0, graph_builds(self.proposer)))
 
     @ray.method(concurrency_group="compute")
     def draft_window(self, blob: bytes, window_id: int) -> bytes:
@@ -156,7 +159,7 @@ class ModelShard:
         self._stopped = {w for w in self._stopped if w >= window_id}
         inputs = self._draft_inputs(*unpack(blob))
         out = self.proposer.propose(inputs, should_stop=lambda: window_id in self._stopped)
-        return pack((out, time.perf_counter() - t0))
+        return pack((out, time.perf_counter() - t0, graph_builds(self.proposer)))
 
     def _draft_inputs(self, deltas: list[ContextDelta], released: list[str]):
         """Apply what the engine sent (finished sequences, context deltas, rewinds) and

@@ -42,6 +42,7 @@ class RayTargetRunner:
         self.failures = 0
         self._closed = False
         self.last_call: CallStats | None = None
+        self.graph_builds = 0  # the group's, as of its last reply
         self._lock = threading.Lock()
         self._rebuilding: threading.Thread | None = None
         self.down_since: float | None = None  # time.monotonic() of the loss, while down
@@ -72,7 +73,7 @@ class RayTargetRunner:
         self._started, self._ended = {}, []
         sent = pack((rows, started, ended))
         reply = self._call("target_step", sent)
-        results, compute_s = unpack(reply)
+        results, compute_s, self.graph_builds = unpack(reply)
         self.last_call = CallStats(compute_s, len(sent) + len(reply))
         return results
 

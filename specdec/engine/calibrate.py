@@ -55,7 +55,8 @@ def calibrate(engine: Engine, policy: EnginePolicy, k_max: int) -> dict:
 
     def observe(rec) -> None:
         policy.calibrate_step(rec)
-        shapes.setdefault(rec.tokens, []).append(rec.step_s - rec.draft_s)
+        if not rec.graph_built:  # a build's time says nothing of the machine's noise
+            shapes.setdefault(rec.tokens, []).append(rec.step_s - rec.draft_s)
 
     engine.on_step.append(observe)
     try:

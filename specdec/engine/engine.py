@@ -21,6 +21,7 @@ from specdec.engine.scheduler import Scheduler
 from specdec.engine.state import EngineConfig, KChooser, Seq, StepRecord, load_report
 from specdec.engine.stop import Detokenizer
 from specdec.errors import EngineError, ErrorKind, TargetLost
+from specdec.model.static_step import graph_builds
 from specdec.spec_decode.counters import SpecCounters
 from specdec.spec_decode.overlap import OverlapChooser, settle, use_overlap
 from specdec.spec_decode.proposal import Proposal, Proposer
@@ -145,6 +146,7 @@ class Engine:
     def _step(self, outputs: list[RequestOutput]) -> None:
         t_start = time.perf_counter()
         rec = StepRecord(0, 0, 0.0, 0.0)
+        builds = self._graph_builds()
         rec.overlapped = self._use_overlap()
         if rec.overlapped != self._last_mode and self.on_mode is not None:
             self.on_mode(rec.overlapped)
@@ -160,6 +162,7 @@ class Engine:
                                               window, plan.windows, results, rec)
         t2 = time.perf_counter()
         self._record(plan, rec)
+        rec.graph_built = self._graph_builds() != builds
         by_id = {r.seq_id: r for r in results}
         for row in plan.rows:
             seq = self._running[row.seq_id]
@@ -176,7 +179,8 @@ class Engine:
         rec.end = time.perf_counter()
         rec.post_s, rec.step_s = rec.end - t2, rec.end - t_start
         self.history.append(rec)
-        if self.overlap_chooser is not None and (plan.windows or rec.draft_rows):
+        if self.overlap_chooser is not None and (plan.windows or rec.draft_rows) \
+                and not rec.graph_built:
             self.overlap_chooser.observe(rec.overlapped, rec.step_s, rec.emitted)
 
     def _verify(self, plan: Plan, rec: StepRecord):
@@ -201,6 +205,9 @@ class Engine:
             raise
         rec.verify_s = time.perf_counter() - t0
         return results, window
+
+    def _graph_builds(self) -> tuple[int, ...]:
+        return (graph_builds(self.target), *(graph_builds(p) for p in self.proposers.values()))
 
     def _record(self, plan: Plan, rec: StepRecord) -> None:
         """What the step carried, for the policy's cost fits and the timeline."""

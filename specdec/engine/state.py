@@ -62,6 +62,9 @@ class StepRecord:
     # Most context tokens a drafted row's draft had to catch up on before guessing (a first
     # round prefills the prompt): the policy prices rounds from steps without a catch-up.
     draft_catchup: int = 0
+    # The step compiled or captured a graph (a new bucket under step compiled/captured):
+    # its time was mostly the build, so the policy does not price the shape from it.
+    graph_built: bool = False
 
 
 @dataclasses.dataclass

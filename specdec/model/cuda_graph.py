@@ -33,6 +33,8 @@ class CapturedDecoder(StaticDecoder):
         self._pool = None
         self.captures = 0
 
+    builds_graphs = True  # every new bucket is captured
+
     def limit_vocab(self, n: int) -> CapturedDecoder:
         # Not the base's: a draft's vocabulary limit must keep its steps captured.
         return CapturedDecoder(self.model.limit_vocab(n))

@@ -168,6 +168,10 @@ class LeaderDecoder:
     def limit_vocab(self, n: int) -> LeaderDecoder:
         return LeaderDecoder(self.local.limit_vocab(n), self.group, self.cache)
 
+    @property
+    def graph_builds(self) -> int:  # followers build the same graphs in the same order
+        return getattr(self.local, "graph_builds", 0)
+
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         if num_slots > self.cache.num_slots or max_len > self.cache.max_len:
             raise ValueError(f"the group's caches hold {self.cache.num_slots} slots of "

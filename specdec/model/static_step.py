@@ -178,6 +178,13 @@ def _attention(model, i, layer, h, k_cache, v_cache, cos_t, sin_t, write_slot, w
 StepFn = Callable[..., torch.Tensor]
 
 
+def graph_builds(obj) -> int:
+    """Graphs compiled or captured so far by a model, or by the runner or proposer holding
+    one (0: eager, which builds none). The engine compares it across a step to mark the
+    steps whose time was a build."""
+    return getattr(obj, "graph_builds", 0)
+
+
 class StaticDecoder:
     """Called like a `Decoder` (same arguments, same results): batches that fit a bucket run
     `static_forward` over that bucket's buffers, optionally through `torch.compile`; the
@@ -200,6 +207,10 @@ class StaticDecoder:
         # recorded in their graphs would not line up.
         self.graph_order: list[tuple] = []
         self._noted: set[tuple] = set()
+        # Graphs compiled or captured so far: a step that built one measured the build (a
+        # compile takes seconds, a capture tens of ms), not the step, and its time must not
+        # teach the policy what that shape costs (graph_builds below).
+        self.graph_builds = 0
         self.static_steps = self.eager_steps = self.loop_rounds = 0
 
     def limit_vocab(self, n: int) -> StaticDecoder:
@@ -254,7 +265,13 @@ class StaticDecoder:
         if graph not in self._noted:
             self._noted.add(graph)
             self.graph_order.append(graph)
+            self.graph_builds += self.builds_graphs
         return graph
+
+    @property
+    def builds_graphs(self) -> bool:
+        """Whether a new bucket costs a build (compile), beyond allocating its buffers."""
+        return self.compiled
 
     def _run(self, fn: StepFn, args: tuple, key: tuple):
         """fn(*args), compiled once per function when asked (one graph per bucket: key)."""

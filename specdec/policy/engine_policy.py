@@ -296,6 +296,10 @@ class EnginePolicy:
             self._observe_step(rec, anchor=True)
 
     def _observe_step(self, rec, anchor: bool = False) -> None:
+        if getattr(rec, "graph_built", False):
+            # The step compiled or captured a new bucket's graph: its time was the build
+            # (seconds for a compile), and one such sample is a new shape's whole price.
+            return
         step, draft = self.step_cost, self.draft_round_cost
         (step.calibrate if anchor else step.observe)(rec.tokens, rec.step_s - rec.draft_s)
         if getattr(rec, "draft_catchup", 0) > self.config.k_max + 1:

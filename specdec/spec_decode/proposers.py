@@ -19,6 +19,7 @@ from specdec.model.decoder import Decoder
 from specdec.model.draft_loop import loop_decoder, run_loop
 from specdec.model.host_copy import to_device
 from specdec.model.sampling import SamplingParams, draw_with_uniform, make_generator, warp_probs
+from specdec.model.static_step import graph_builds
 from specdec.spec_decode.overlap import ThreadWindow
 from specdec.spec_decode.proposal import DraftWindow, Proposal, ProposeInput
 
@@ -142,6 +143,10 @@ class DraftModelProposer:
         self.max_len = max_len
         self._seqs: dict[str, _DraftSeq] = {}
         self._free = list(range(max_slots - 1, -1, -1))
+
+    @property
+    def graph_builds(self) -> int:
+        return graph_builds(self.model)
 
     def _seq(self, inp: ProposeInput) -> _DraftSeq:
         s = self._seqs.get(inp.seq_id)

@@ -19,6 +19,7 @@ from specdec.model.decoder import Decoder
 from specdec.model.host_copy import to_device, to_device_all
 from specdec.model.kv_cache import KVCache
 from specdec.model.sampling import SamplingParams, make_generator, warp_probs
+from specdec.model.static_step import graph_builds
 from specdec.spec_decode.calls import CallStats
 from specdec.spec_decode.rejection import rejection_sample, row_uniforms
 
@@ -279,6 +280,10 @@ class LocalTargetRunner:
     def step(self, rows: list[TargetRow]) -> list[TargetResult]:
         return verify_step(self.model, self.cache, rows, self._params, self._gens,
                            self._deferred)
+
+    @property
+    def graph_builds(self) -> int:
+        return graph_builds(self.model)
 
     def resolve(self, heads: dict[str, Head | None]) -> dict[str, Resolved]:
         return resolve_heads(heads, self._deferred, self._params, self._gens)
