@@ -29,8 +29,8 @@ class BatchInput:
     kv_len: int               # longest context in the batch after this forward
     # The host's own copies of what a tensor-parallel leader sends its followers: reading
     # them back from the device would wait for it.
-    slot_list: list[int] = dataclasses.field(default_factory=list)   # [B]
-    token_list: list[int] = dataclasses.field(default_factory=list)  # [T]
+    slot_list: list[int]      # [B]
+    token_list: list[int]     # [T]
 
     @property
     def num_rows(self) -> int:
