@@ -225,8 +225,14 @@ class Decoder:
                       self.cfg.rms_norm_eps)
         if self.lm_head is None:  # no projection loaded
             return h.new_empty(h.shape[0], 0, dtype=torch.float32)
+        return self.project(h, argmax)
+
+    def project(self, h: torch.Tensor, argmax: bool = False) -> torch.Tensor:
+        """Final-normed hidden states [N, hidden] to fp32 logits [N, vocab] (argmax: ids
+        [N]). Tensor-parallel: this rank's vocabulary slice, joined on rank 0 (followers
+        get an empty tensor), so every rank must call it at the same point."""
         logits = self.lm_head(h).float()
-        if self.shard.world > 1:  # this rank's vocabulary slice: joined on rank 0
+        if self.shard.world > 1:
             return self.argmax_vocab(logits) if argmax else self.gather_vocab(logits)
         return logits.argmax(-1) if argmax else logits
 

@@ -123,14 +123,19 @@ def _kv_write_shape(k_cache, v_cache, layer, slot, pos, k, v) -> None:
     return None
 
 
-def static_forward(model: Decoder, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   cos: torch.Tensor, sin: torch.Tensor, token_ids: torch.Tensor,
-                   positions: torch.Tensor, write_slot: torch.Tensor, write_pos: torch.Tensor,
-                   slots: torch.Tensor, rows: int, query: int, keys: int, argmax: bool
-                   ) -> torch.Tensor:
-    """Logits [rows * query, vocab] (argmax: ids [rows * query]) of every padded position.
-    A pure function of its tensor arguments and the model's weights; shapes depend only on
-    (rows, query, keys)."""
+def static_hidden(model: Decoder, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, token_ids: torch.Tensor,
+                  positions: torch.Tensor, write_slot: torch.Tensor, write_pos: torch.Tensor,
+                  slots: torch.Tensor, rows: int, query: int, keys: int) -> torch.Tensor:
+    """Final-normed hidden states [rows * query, hidden] of every padded position: what a
+    step's graph computes. A pure function of its tensor arguments and the model's weights;
+    shapes depend only on (rows, query, keys).
+
+    The vocabulary projection stays outside (`Decoder.project`, on the positions that need
+    logits), as vLLM keeps it outside its graphs: a captured graph's output stays allocated
+    for the graph's life, and [rows * query, vocab] fp32 logits are ~200x the hidden states
+    for a 150k vocabulary (136 MB at 32 rows x 7 tokens, per bucket), where hidden states
+    are under 1 MB. It also lets greedy and sampled steps of a bucket share one graph."""
     x = model.embed[token_ids].to(model.dtype)
     at = positions.clamp(min=0)
     cos_t, sin_t = cos[at].unsqueeze(1), sin[at].unsqueeze(1)  # [T, 1, D]
@@ -147,11 +152,19 @@ def static_forward(model: Decoder, k_cache: torch.Tensor, v_cache: torch.Tensor,
         gate, up = layer.w["gate_up"](h).chunk(2, dim=-1)
         out = model.all_reduce(layer.w["down"](F.silu(gate) * up))
         x = x + (out if layer.w["down_b"] is None else out + layer.w["down_b"])
-    h = _rms_norm(x, model.norm, model.cfg.rms_norm_eps)
-    logits = model.lm_head(h).float()
-    if model.shard.world > 1:
-        return model.argmax_vocab(logits) if argmax else model.gather_vocab(logits)
-    return logits.argmax(-1) if argmax else logits
+    return _rms_norm(x, model.norm, model.cfg.rms_norm_eps)
+
+
+def static_forward(model: Decoder, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, token_ids: torch.Tensor,
+                   positions: torch.Tensor, write_slot: torch.Tensor, write_pos: torch.Tensor,
+                   slots: torch.Tensor, rows: int, query: int, keys: int, argmax: bool
+                   ) -> torch.Tensor:
+    """Logits [rows * query, vocab] (argmax: ids) of every padded position, projection
+    included: the draft loop's forwards, whose logits are picked inside its graph."""
+    return model.project(static_hidden(model, k_cache, v_cache, cos, sin, token_ids,
+                                       positions, write_slot, write_pos, slots, rows, query,
+                                       keys), argmax)
 
 
 def _attention(model, i, layer, h, k_cache, v_cache, cos_t, sin_t, write_slot, write_pos,
@@ -187,8 +200,9 @@ def graph_builds(obj) -> int:
 
 class StaticDecoder:
     """Called like a `Decoder` (same arguments, same results): batches that fit a bucket run
-    `static_forward` over that bucket's buffers, optionally through `torch.compile`; the
-    rest (prefill chunks, batch-invariant formats) run the model's eager forward.
+    `static_hidden` over that bucket's buffers, optionally through `torch.compile`, and the
+    positions that need logits are projected after it; the rest (prefill chunks,
+    batch-invariant formats) run the model's eager forward.
 
     Its caches carry one slot more than asked for: the scratch slot padded tokens write to.
     """
@@ -250,13 +264,14 @@ class StaticDecoder:
                                                                       self.device)
         idx = buffers.fill(batch)
         rotary = self.model._rotary_for(cache.max_len)
-        out = self._run(static_forward, (self.model, cache.k, cache.v, rotary.cos, rotary.sin,
-                         *buffers.tensors(), bucket.rows, bucket.query, bucket.keys, argmax),
-                        (bucket, buffers.scratch, argmax))
+        hidden = self._run(static_hidden, (self.model, cache.k, cache.v, rotary.cos,
+                                           rotary.sin, *buffers.tensors(), bucket.rows,
+                                           bucket.query, bucket.keys),
+                           (bucket, buffers.scratch))
         self.static_steps += 1
-        if out.shape[0] == 0:  # a tensor-parallel follower: rank 0 holds the results
-            return out
-        return out[idx[logit_indices]]
+        # Every rank projects its vocabulary slice here, outside the graph (static_hidden:
+        # why); under tensor parallelism this is where the ranks' slices meet.
+        return self.model.project(hidden[idx[logit_indices]], argmax)
 
     forward = __call__
 

@@ -188,3 +188,32 @@ def test_compiled_graph_writes_the_cache_through_the_in_place_op(tiny_llama):
     targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert sum("kv_write" in t for t in targets) == model.cfg.num_layers
     assert not any("index_put" in t for t in targets)
+
+
+def test_a_step_graph_returns_hidden_states_and_serves_greedy_and_sampled(tiny_llama):
+    """A captured graph's output stays allocated for the graph's life (cuda_graph.py), so a
+    step's graph returns the final hidden states, [rows * query, hidden], and the
+    vocabulary projection runs after it on the positions asked for. One bucket's greedy
+    (argmax) and sampled (logits) steps then replay the same graph."""
+    outputs = []
+
+    class Recording(StaticDecoder):
+        def _run(self, fn, args, key):
+            out = super()._run(fn, args, key)
+            outputs.append(out)
+            return out
+
+    model = Decoder.from_checkpoint(tiny_llama, torch.float32)
+    static = Recording(model)
+    cache, scache = _prefilled(model, static, [(0, 0, [5, 6, 7]), (1, 0, [8, 9, 10])])
+    rows = [(0, 3, [11, 12, 13]), (1, 3, [14])]
+    batch = BatchInput.build(rows)
+    idx = torch.arange(4)
+    e, s = model(batch, cache, idx), static(batch, scache, idx)
+    _close(e, s)
+    # The same step again (the same K/V rewritten at the same places), greedy this time.
+    assert torch.equal(model(batch, cache, idx, argmax=True),
+                       static(batch, scache, idx, argmax=True))
+    assert len(static.graph_order) == 1
+    assert [tuple(o.shape) for o in outputs] == [(2 * 3, model.cfg.hidden_size)] * 2
+    assert model.cfg.hidden_size < model.cfg.vocab_size  # else the test shows nothing
