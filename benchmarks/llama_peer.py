@@ -37,6 +37,11 @@ def _post(url: str, body: dict, timeout: float = 600) -> dict:
         return json.loads(r.read())
 
 
+# True once a start-up crashed with repacking on: later servers of this process start without
+# it at once.
+_NO_REPACK = False
+
+
 class LlamaServer:
     """One llama-server process (ours to stop, by its PID)."""
 
@@ -46,12 +51,23 @@ class LlamaServer:
             raise FileNotFoundError("llama-server is not built: run `make peer`")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [str(exe), "-m", str(model), "-t", str(threads), "-tb", str(threads),
-               "-c", str(4096 * slots), "-np", str(slots), "--host", "127.0.0.1",
-               "--port", str(self.port), "--no-webui", *args]
-        self.cmd = cmd
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+        self.cmd = [str(exe), "-m", str(model), "-t", str(threads), "-tb", str(threads),
+                    "-c", str(4096 * slots), "-np", str(slots), "--host", "127.0.0.1",
+                    "--port", str(self.port), "--no-webui", *args]
+        # Set when the peer only runs with its weight repacking off (see _NO_REPACK).
+        self.fallback: str | None = None
+        if _NO_REPACK:
+            self._no_repack()
+        self._start()
+
+    def _start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, start_new_session=True)
+
+    def _no_repack(self) -> None:
+        self.cmd.append("--no-repack")
+        self.fallback = ("--no-repack: with its default weight repacking this build "
+                         "crashed at start-up (SIGSEGV)")
 
     def wait_ready(self, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
@@ -96,7 +112,21 @@ class LlamaServer:
 
     def __enter__(self) -> LlamaServer:
         try:
-            self.wait_ready()
+            try:
+                self.wait_ready()
+            except RuntimeError:
+                # Seen on an AMX Xeon: the AMX repacked matmul (ggml_backend_amx_mul_mat)
+                # segfaults on the first batch of more than one token, so the server dies
+                # in its warm-up. Without repacking it runs (slower: llama-bench decode
+                # 12.4 against 17.2 tokens/s there). Rows then say so.
+                if self.proc.returncode != -signal.SIGSEGV or "--no-repack" in self.cmd:
+                    raise
+                global _NO_REPACK
+                _NO_REPACK = True
+                self.close()
+                self._no_repack()
+                self._start()
+                self.wait_ready()
         except BaseException:
             self.close()
             raise
@@ -160,7 +190,9 @@ def peer_rows(target: Path, draft: Path | None, prompts: list[list[int]], max_to
                     if progress is not None:
                         progress.advance()
             rss = server.rss_bytes()
-        rows.append({"system": "llama.cpp", "config": name, "dtype": "GGUF as stored",
+            fallback = server.fallback
+        rows.append({"system": "llama.cpp", "config": name + (" [no-repack]" if fallback else ""),
+                     "dtype": "GGUF as stored", "peer_note": fallback,
                      "runs": len(rates), "tokens_per_s": median(rates),
                      "q1": percentile(rates, 25), "q3": percentile(rates, 75),
                      "decode_only_tokens_per_s": median(decode),

@@ -371,6 +371,8 @@ def main(args) -> int:
                        "rss_GB", "ttft_p50_s", "overhead_p50_ms"],
                 title=f"{args.config}: one client, {args.max_tokens} new tokens, greedy, "
                       f"{len(prompts)} prompts x {args.repeats} repeats (median, quartiles)")
+    for note in sorted({r["peer_note"] for r in rows if r.get("peer_note")}):
+        print(f"llama.cpp ran with {note}")
     lines = [dict(system=r["system"], config=r["config"], **r["timeline"])
              for r in rows if r.get("timeline")]
     if lines:
