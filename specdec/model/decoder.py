@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -124,9 +125,17 @@ class Decoder:
         def weight(name, **kw):  # full precision until the format stores it
             return ck.get(name, **kw).to(device)
 
-        layers = [Layer(_layer_weights(i, cfg, fmt, get, weight, q_rows, kv_rows, inter),
-                        len(qh), len(kvh), shard.kv_index_of_local_q(cfg), D, cfg.rms_norm_eps)
-                  for i in range(cfg.num_layers)]
+        def layer(i: int) -> Layer:
+            return Layer(_layer_weights(i, cfg, fmt, get, weight, q_rows, kv_rows, inter),
+                         len(qh), len(kvh), shard.kv_index_of_local_q(cfg), D,
+                         cfg.rms_norm_eps)
+
+        # On a CPU, layers are read and packed one per core at a time: FBGEMM's int8 and fp16
+        # packing runs on one thread, and a start (or the rebuild after a lost worker) waits
+        # for all of it. Each layer's weights are its own, so the order of work is free.
+        workers = max(1, min(4, torch.get_num_threads())) if device.type == "cpu" else 1
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            layers = list(pool.map(layer, range(cfg.num_layers)))
         # The table is only indexed: stored as the weights are, cast per lookup.
         embed = get("model.embed_tokens.weight", dtype=fmt.weight_dtype)
         lm_head: Linear | None = None

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from specdec.model.architectures import SUPPORTED_ARCHITECTURES, UnsupportedModel
+from specdec.model.gguf_header import GGUFHeader, StringArray
 from specdec.model.gguf_quants import dequantize, type_name
 
 # Hugging Face name (after "model.layers.{i}.") -> GGUF name (after "blk.{i}.").
@@ -63,17 +64,15 @@ def gguf_in(path: str | Path) -> Path | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _reader(path: str):
-    from gguf import GGUFReader
-
-    return GGUFReader(path)
+def _reader(path: str) -> GGUFHeader:
+    return GGUFHeader(path)
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
+def _field(reader: GGUFHeader, key: str, default=None):
+    value = reader.fields.get(key)
+    if value is None:
         return default
-    return f.contents()
+    return value.tolist() if isinstance(value, (np.ndarray, StringArray)) else value
 
 
 def metadata(path: str | Path, key: str, default=None):
@@ -100,7 +99,7 @@ def config_dict(path: str | Path) -> dict:
     embd = next(t for t in r.tensors if t.name == "token_embd.weight")
     cfg = {
         "model_type": arch,
-        "vocab_size": int(embd.shape[1]) if tokens is None else len(tokens.data),
+        "vocab_size": int(embd.shape[1]) if tokens is None else len(tokens),
         "hidden_size": hidden,
         "intermediate_size": int(_field(r, f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(_field(r, f"{arch}.block_count")),
