@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from specdec.model.architectures import SUPPORTED_ARCHITECTURES, UnsupportedModel
-from specdec.model.gguf_header import GGUFHeader, StringArray
+from specdec.model.gguf_header import GGUFHeader, plain
 from specdec.model.gguf_quants import dequantize, type_name
 
 # Hugging Face name (after "model.layers.{i}.") -> GGUF name (after "blk.{i}.").
@@ -70,9 +70,7 @@ def _reader(path: str) -> GGUFHeader:
 
 def _field(reader: GGUFHeader, key: str, default=None):
     value = reader.fields.get(key)
-    if value is None:
-        return default
-    return value.tolist() if isinstance(value, (np.ndarray, StringArray)) else value
+    return default if value is None else plain(value)
 
 
 def metadata(path: str | Path, key: str, default=None):

@@ -10,11 +10,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
-from specdec.model.gguf_header import GGUFFormatError, GGUFHeader, StringArray
-
-
-def _plain(value):
-    return value.tolist() if isinstance(value, (np.ndarray, StringArray)) else value
+from specdec.model.gguf_header import GGUFFormatError, GGUFHeader, StringArray, plain
 
 
 def assert_same_as_gguf_package(path) -> GGUFHeader:
@@ -24,7 +20,7 @@ def assert_same_as_gguf_package(path) -> GGUFHeader:
     for key, field in ref_fields.items():
         if field.types[:2] == [GGUFValueType.ARRAY, GGUFValueType.ARRAY]:
             continue  # the package flattens arrays of arrays; ours keeps their shape
-        got, want = _plain(ours.fields[key]), field.contents()
+        got, want = plain(ours.fields[key]), field.contents()
         if isinstance(want, float):
             assert got == pytest.approx(want, rel=1e-7), key
         else:
