@@ -6,19 +6,22 @@ OpenAI-shaped: {"error": {"message", "type", "param", "code"}}, 4xx naming the f
 
 Input is checked here so that nothing a client sends can reach a model shard as a value it
 chokes on (a seed beyond 64 bits once took the whole target group down): numbers in their
-ranges, text that is valid Unicode, only the content kinds we implement. Fields OpenAI
-defines but this server does not implement are refused with a 400 naming the field when
-given a non-default value (never silently ignored); fields OpenAI does not define are
-ignored, as vLLM does, except the `speculative` extension.
+ranges, text that is valid Unicode, only the content kinds we implement. Nothing a client
+sends is silently ignored: a field nobody defines is refused as OpenAI refuses it
+("Unrecognized request argument supplied: <field>", 400), so a misspelt `speculatve` or
+`max_token` fails loudly instead of running with defaults; a field OpenAI (or vLLM, for
+sampling) defines but this server does not implement is accepted only at the value that
+means "off", and refused with a 400 naming it otherwise.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from specdec.model.sampling import SEED_MAX, SEED_MIN
 
@@ -69,12 +72,33 @@ class SpeculativeOverride(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    # OpenAI pads stream chunks against length side channels when true; chunks here are
+    # unpadded either way, which the client's choice does not make less safe than asked.
+    include_obfuscation: bool = True
+
+
+# Defined by OpenAI or by vLLM's sampling extensions, not implemented here: each accepted
+# only at the values that mean "off" (what a client library sends when the user set nothing).
+UNIMPLEMENTED_OFF: dict[str, tuple] = {
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": (None, {}),
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1),
+    "echo": (False,), "suffix": (None, ""), "tools": (None, []),
+    "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
+    "response_format": (None, {"type": "text"}), "store": (None, False), "metadata": (None, {}),
+    "service_tier": (None, "auto", "default"), "modalities": (None, ["text"]),
+    "prediction": (None,), "audio": (None,), "reasoning_effort": (None,),
+    "web_search_options": (None,), "prompt_cache_key": (None,), "safety_identifier": (None,),
+    "min_p": (0, 0.0), "repetition_penalty": (1, 1.0), "min_tokens": (0,),
+    "stop_token_ids": (None, []), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+}
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     model: str = Field(max_length=256)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_CAP)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_CAP)
@@ -90,19 +114,39 @@ class _SamplingFields(BaseModel):
     # vLLM's extension: generate exactly max_tokens (benchmarks, fixed-length tests).
     ignore_eos: bool = False
     user: str | None = Field(None, max_length=256)
-    # Defined by OpenAI, not implemented here: refused unless left at their defaults.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    # UNIMPLEMENTED_OFF: typed loosely so that any value reaches _unimplemented, which
+    # names the field whatever the client sent.
+    presence_penalty: Any = 0.0
+    frequency_penalty: Any = 0.0
+    logit_bias: Any = None
     logprobs: Any = None
-    top_logprobs: int | None = None
-    best_of: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    tools: list[Any] | None = None
+    top_logprobs: Any = None
+    best_of: Any = None
+    echo: Any = False
+    suffix: Any = None
+    tools: Any = None
     tool_choice: Any = None
-    functions: list[Any] | None = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
     response_format: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    audio: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    min_p: Any = 0.0
+    repetition_penalty: Any = 1.0
+    min_tokens: Any = 0
+    stop_token_ids: Any = None
+    include_stop_str_in_output: Any = False
+    skip_special_tokens: Any = True
+    spaces_between_special_tokens: Any = True
 
     @field_validator("n")
     @classmethod
@@ -123,18 +167,16 @@ class _SamplingFields(BaseModel):
             raise ValueError("stop sequences must be at most 1000 characters")
         return [_text(s, "stop") for s in stops]
 
-    @model_validator(mode="after")
-    def _unsupported(self):
-        # Values that mean "off" for each unimplemented field.
-        off = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-               "logit_bias": (None, {}), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
-               "best_of": (None, 1), "echo": (False,), "suffix": (None, ""),
-               "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-               "response_format": (None, {"type": "text"})}
-        for name, values in off.items():
-            if getattr(self, name) not in values:
-                raise ValueError(f"{name} is not supported by this server")
-        return self
+    @field_validator(*UNIMPLEMENTED_OFF)
+    @classmethod
+    def _unimplemented(cls, v, info: ValidationInfo):
+        # `True == 1` in Python: compare types too, so `echo: 1` or `min_tokens: false`
+        # is not taken for an "off" it does not spell.
+        off = UNIMPLEMENTED_OFF[info.field_name]
+        if not any(v == o and type(v) is type(o) for o in off):
+            raise ValueError(f"{info.field_name} is not supported by this server (accepted "
+                             f"only as {' or '.join(json.dumps(o) for o in off)})")
+        return v
 
     def max_new_tokens(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
@@ -172,11 +214,31 @@ class TextPart(BaseModel):
         return _text(v, "text")
 
 
+# Fields a message OpenAI returned carries, so a client that sends an assistant turn back
+# as it got it: accepted when empty, refused when they hold something (tool calls, audio).
+MESSAGE_EMPTY_FIELDS = ("tool_calls", "tool_call_id", "function_call", "refusal", "audio",
+                        "annotations")
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[dict[str, Any]]
     name: str | None = Field(None, max_length=256)
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    refusal: Any = None
+    audio: Any = None
+    annotations: Any = None
+
+    @field_validator(*MESSAGE_EMPTY_FIELDS)
+    @classmethod
+    def _empty(cls, v, info: ValidationInfo):
+        if v not in (None, []):
+            raise ValueError(f"{info.field_name} is not supported by this server (text "
+                             "messages only)")
+        return v
 
     @field_validator("content")
     @classmethod
@@ -285,4 +347,7 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
            and not re.fullmatch(r"(str|int|float|bool|none|list\[.*\]|dict\[.*\])", str(x))]
     msg = first.get("msg", "invalid request").removeprefix("Value error, ")
     param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        # OpenAI's own words for a field it does not define.
+        return f"Unrecognized request argument supplied: {param}", param
     return (f"{param}: {msg}" if param else msg), param

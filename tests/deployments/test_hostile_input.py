@@ -1,5 +1,6 @@
 """Hostile and odd input over HTTP: every malformed request gets the right 4xx naming the
-field (OpenAI-shaped), odd but legal input gets a normal answer, nothing gets a 5xx, and
+field (OpenAI-shaped), a field nobody defines (a misspelling) is refused rather than
+ignored, odd but legal input gets a normal answer, nothing gets a 5xx, and
 the service answers a normal request afterwards. With an API key configured, /v1 routes
 need it and /health tells strangers only ok / not ok. The API is fuzzed from its published
 OpenAPI schema."""
@@ -76,11 +77,18 @@ CASES = [
     ("stop a number", C, {**ok, "stop": 123}, 400, "stop"),
     ("n 2", C, {**ok, "n": 2}, 400, "n"),
     ("stream a list", C, {**ok, "stream": [1]}, 400, "stream"),
-    ("logprobs", C, {**ok, "logprobs": 3}, 400, None),
-    ("best_of", C, {**ok, "best_of": 2}, 400, None),
-    ("logit_bias", C, {**ok, "logit_bias": {"5": 10}}, 400, None),
-    ("echo", C, {**ok, "echo": True}, 400, None),
-    ("unknown field (ignored)", C, {**ok, "foo": {"bar": 1}}, 200, None),
+    ("logprobs", C, {**ok, "logprobs": 3}, 400, "logprobs"),
+    ("best_of", C, {**ok, "best_of": 2}, 400, "best_of"),
+    ("logit_bias", C, {**ok, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("echo", C, {**ok, "echo": True}, 400, "echo"),
+    ("echo 1 (not false)", C, {**ok, "echo": 1}, 400, "echo"),
+    ("unimplemented fields at off (legal)", C, {**ok, "presence_penalty": 0, "store": False,
+                                                "repetition_penalty": 1.0, "logprobs": None},
+     200, None),
+    ("repetition_penalty", C, {**ok, "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ("unknown field", C, {**ok, "foo": {"bar": 1}}, 400, "foo"),
+    ("misspelt speculative", C, {**ok, "speculation": "off"}, 400, "speculation"),
+    ("misspelt max_tokens", C, {**ok, "max_token": 2}, 400, "max_token"),
     ("speculative.mode unknown", C, {**ok, "speculative": {"mode": "sometimes"}}, 400,
      "speculative.mode"),
     ("speculative.k 99", C, {**ok, "speculative": {"k": 99}}, 400, "speculative.k"),
@@ -107,9 +115,21 @@ CASES = [
     ("thousands of messages", CH, {**chat, "messages": [{"role": "user", "content": "w5"}]
                                    * 3000}, 400, "messages"),
     ("tools", CH, {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     None),
+     "tools"),
     ("stream_options wrong type", C, {**ok, "stream": True, "stream_options": "yes"}, 400,
      "stream_options"),
+    ("stream_options unknown key", C, {**ok, "stream": True, "stream_options": {"usage": 1}},
+     400, "stream_options.usage"),
+    ("message unknown field", CH, {**chat, "messages": [{"role": "user", "content": "w5",
+                                                         "contnet": "w6"}]}, 400,
+     "messages.0.contnet"),
+    ("assistant turn sent back as returned (legal)", CH, {**chat, "messages": [
+        {"role": "user", "content": "w5"},
+        {"role": "assistant", "content": "w6", "refusal": None, "tool_calls": None},
+        {"role": "user", "content": "w7"}]}, 200, None),
+    ("message with tool calls", CH, {**chat, "messages": [
+        {"role": "assistant", "content": "w6", "tool_calls": [{"id": "c1"}]}]}, 400,
+     "messages.0.tool_calls"),
     ("max_completion_tokens (legal)", CH, {**chat, "max_completion_tokens": 3}, 200, None),
 ]
 
