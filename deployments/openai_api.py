@@ -21,7 +21,14 @@ import re
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    create_model,
+    field_validator,
+)
 
 from specdec.model.sampling import SEED_MAX, SEED_MIN
 
@@ -97,7 +104,25 @@ UNIMPLEMENTED_OFF: dict[str, tuple] = {
 }
 
 
-class _SamplingFields(BaseModel):
+def _unimplemented(cls, v, info: ValidationInfo):
+    # `True == 1` in Python: compare types too, so `echo: 1` or `min_tokens: false` is not
+    # taken for an "off" it does not spell.
+    off = UNIMPLEMENTED_OFF[info.field_name]
+    if not any(v == o and type(v) is type(o) for o in off):
+        raise ValueError(f"{info.field_name} is not supported by this server (accepted "
+                         f"only as {' or '.join(json.dumps(o) for o in off)})")
+    return v
+
+
+# One field per UNIMPLEMENTED_OFF entry, typed loosely so that any value reaches the check,
+# which names the field whatever the client sent; defaulting to its first "off".
+_Unimplemented = create_model(
+    "_Unimplemented", __config__=ConfigDict(extra="forbid"),
+    __validators__={"_unimplemented": field_validator(*UNIMPLEMENTED_OFF)(_unimplemented)},
+    **{name: (Any, off[0]) for name, off in UNIMPLEMENTED_OFF.items()})
+
+
+class _SamplingFields(_Unimplemented):
     model_config = ConfigDict(extra="forbid")
     model: str = Field(max_length=256)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_CAP)
@@ -114,39 +139,6 @@ class _SamplingFields(BaseModel):
     # vLLM's extension: generate exactly max_tokens (benchmarks, fixed-length tests).
     ignore_eos: bool = False
     user: str | None = Field(None, max_length=256)
-    # UNIMPLEMENTED_OFF: typed loosely so that any value reaches _unimplemented, which
-    # names the field whatever the client sent.
-    presence_penalty: Any = 0.0
-    frequency_penalty: Any = 0.0
-    logit_bias: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    best_of: Any = None
-    echo: Any = False
-    suffix: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    parallel_tool_calls: Any = None
-    response_format: Any = None
-    store: Any = None
-    metadata: Any = None
-    service_tier: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    audio: Any = None
-    reasoning_effort: Any = None
-    web_search_options: Any = None
-    prompt_cache_key: Any = None
-    safety_identifier: Any = None
-    min_p: Any = 0.0
-    repetition_penalty: Any = 1.0
-    min_tokens: Any = 0
-    stop_token_ids: Any = None
-    include_stop_str_in_output: Any = False
-    skip_special_tokens: Any = True
-    spaces_between_special_tokens: Any = True
 
     @field_validator("n")
     @classmethod
@@ -166,17 +158,6 @@ class _SamplingFields(BaseModel):
         if any(len(s) > 1000 for s in stops):
             raise ValueError("stop sequences must be at most 1000 characters")
         return [_text(s, "stop") for s in stops]
-
-    @field_validator(*UNIMPLEMENTED_OFF)
-    @classmethod
-    def _unimplemented(cls, v, info: ValidationInfo):
-        # `True == 1` in Python: compare types too, so `echo: 1` or `min_tokens: false`
-        # is not taken for an "off" it does not spell.
-        off = UNIMPLEMENTED_OFF[info.field_name]
-        if not any(v == o and type(v) is type(o) for o in off):
-            raise ValueError(f"{info.field_name} is not supported by this server (accepted "
-                             f"only as {' or '.join(json.dumps(o) for o in off)})")
-        return v
 
     def max_new_tokens(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
