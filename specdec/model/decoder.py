@@ -123,7 +123,10 @@ class Decoder:
             return ck.get(name, dtype=dtype, **kw).to(device).contiguous()
 
         def weight(name, **kw):  # full precision until the format stores it
-            return ck.get(name, **kw).to(device)
+            w = ck.get(name, **kw).to(device)
+            if fmt.q4k and hasattr(ck, "q4k_source"):  # the file's own 4-bit blocks
+                w.q4k_source = ck.q4k_source(name, **kw)
+            return w
 
         def layer(i: int) -> Layer:
             return Layer(_layer_weights(i, cfg, fmt, get, weight, q_rows, kv_rows, inter),
@@ -145,8 +148,8 @@ class Decoder:
         if with_lm_head or shard.world > 1:
             tied = cfg.tie_word_embeddings or not ck.has("lm_head.weight")
             rows = shard.vocab_rows(n_out)
-            table = embed if tied else weight("lm_head.weight")
-            lm_head = fmt.linear(table[rows.start:rows.stop])
+            table = embed[rows.start:rows.stop] if tied else weight("lm_head.weight", rows=rows)
+            lm_head = fmt.linear(table)
         norm = get("model.norm.weight")
         model = cls(cfg, layers, embed, norm, lm_head, shard, fmt, device)
         model.vocab_out = n_out
@@ -355,10 +358,10 @@ def _layer_weights(i: int, cfg, fmt, get, weight, q_rows, kv_rows, inter) -> dic
         "in_norm": get(p + "input_layernorm.weight"),
         "post_norm": get(p + "post_attention_layernorm.weight"),
         # Fused q|k|v and gate|up: one matmul each instead of three and two.
-        "qkv": fmt.linear(
-            torch.cat([weight(a + "q_proj.weight", rows=q_rows),
-                       weight(a + "k_proj.weight", rows=kv_rows),
-                       weight(a + "v_proj.weight", rows=kv_rows)]),
+        "qkv": fmt.linear_rows(
+            [weight(a + "q_proj.weight", rows=q_rows),
+             weight(a + "k_proj.weight", rows=kv_rows),
+             weight(a + "v_proj.weight", rows=kv_rows)],
             torch.cat([weight(a + "q_proj.bias", rows=q_rows),
                        weight(a + "k_proj.bias", rows=kv_rows),
                        weight(a + "v_proj.bias", rows=kv_rows)])
@@ -366,9 +369,9 @@ def _layer_weights(i: int, cfg, fmt, get, weight, q_rows, kv_rows, inter) -> dic
         "o": fmt.linear(weight(a + "o_proj.weight", cols=q_rows)),
         # Row-parallel biases are added once, after the all_reduce.
         "o_b": get(a + "o_proj.bias") if cfg.o_bias else None,
-        "gate_up": fmt.linear(
-            torch.cat([weight(m + "gate_proj.weight", rows=inter),
-                       weight(m + "up_proj.weight", rows=inter)]),
+        "gate_up": fmt.linear_rows(
+            [weight(m + "gate_proj.weight", rows=inter),
+             weight(m + "up_proj.weight", rows=inter)],
             torch.cat([weight(m + "gate_proj.bias", rows=inter),
                        weight(m + "up_proj.bias", rows=inter)])
             if cfg.mlp_bias else None),

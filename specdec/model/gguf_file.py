@@ -151,14 +151,40 @@ class GGUFCheckpoint:
     def quant_type(self, name: str) -> str:
         return type_name(int(self._tensors[gguf_name(name)].tensor_type))
 
-    def get(self, name: str, rows: range | None = None, cols: range | None = None,
-            dtype: torch.dtype | None = None) -> torch.Tensor:
+    def _raw(self, name: str):
         key = gguf_name(name)
         t = self._tensors.get(key)
         if t is None:
             raise KeyError(f"{self.path.name} has no tensor {key!r} (for {name!r})")
         shape = tuple(int(x) for x in reversed(t.shape))
         raw = np.asarray(t.data).view(np.uint8).reshape(shape[0] if len(shape) > 1 else 1, -1)
+        return key, t, shape, raw
+
+    def q4k_source(self, name: str, rows: range | None = None, cols: range | None = None):
+        """What the q4k format keeps of a weight (specdec.model.weight_format.q4k_kind): its
+        Q4_K blocks (the rows and whole blocks of columns asked for), "int8" for a tensor the
+        file stores in more bits, or None for float storage (F32/F16/BF16)."""
+        from specdec.model.q4k import Q4_K_BYTES, QK, from_gguf
+
+        key, t, shape, raw = self._raw(name)
+        kind = type_name(int(t.tensor_type))
+        if kind in ("F32", "F16", "BF16"):
+            return None
+        if kind != "Q4_K" or self._permute.get(key.split(".")[-2]) is not None:
+            return "int8"  # more bits than 4, or q/k rows the loader reorders
+        if rows is not None:
+            raw = raw[rows.start:rows.stop]
+        if cols is not None:
+            if cols.start % QK or cols.stop % QK:
+                return "int8"  # a rank's columns cut a block
+            raw = raw[:, cols.start // QK * Q4_K_BYTES:cols.stop // QK * Q4_K_BYTES]
+        with warnings.catch_warnings():  # a read-only memory map: only read
+            warnings.simplefilter("ignore", UserWarning)
+            return from_gguf(torch.from_numpy(np.ascontiguousarray(raw)))
+
+    def get(self, name: str, rows: range | None = None, cols: range | None = None,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+        key, t, shape, raw = self._raw(name)
         heads = self._permute.get(key.split(".")[-2])
         if rows is not None and heads is None and len(shape) > 1:
             # Blocks run along a row, so a row slice only dequantizes the rows it keeps.

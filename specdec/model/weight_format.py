@@ -17,7 +17,12 @@ how fast a small-M matmul reads the weights (benchmarks/RESULTS.md has the figur
   static u8 x s8 -> s32 kernel on rows pre-divided by their scale): a row's logits are
   bit-identical alone and inside any batch, so a target may use it. "int8" adds a second
   int8 level per row for its rounding error, to stay as close to the checkpoint as
-  llama.cpp's own arithmetic (int8_linear.py). It is the CPU target's default.
+  llama.cpp's own arithmetic (int8_linear.py).
+- "q4k" keeps what a GGUF file stores as Q4_K in its very 4-bit blocks and runs it with our
+  own kernel (q4k.py: int8 activations per 256 columns of a row, integer dot products, so
+  batch-independent too): 4.6 bits read a weight against int8's 8, the bytes a CPU decode
+  step is bound by. Tensors the file stores in more bits (Q5/Q6/Q8) keep them as `int8`;
+  float weights are quantized to Q4_K blocks. It is the CPU target's default.
 - "auto" picks bf16 on CUDA; on a CPU it measures the candidates it has (bf16 where the CPU
   has native bf16, fp16 packed where FBGEMM runs) on a projection of the real size and keeps
   the faster, else fp32: CPU flags alone chose wrong.
@@ -37,7 +42,7 @@ import torch
 from specdec.model.int8_linear import DynamicInt8Linear, RowInt8Linear
 from specdec.model.linear import DenseLinear, Linear, PackedFp16Linear
 
-FORMATS = ("auto", "float32", "bfloat16", "float16", "int8", "w8a8", "int8-dynamic")
+FORMATS = ("auto", "float32", "bfloat16", "float16", "int8", "w8a8", "int8-dynamic", "q4k")
 
 
 # Formats whose row results depend on the other rows of a batch: never for a target.
@@ -59,8 +64,11 @@ class WeightFormat:
     int8: bool = False         # int8 weights and activations (FBGEMM, CPU)
     per_row: bool = False      # int8 activations scaled per row (batch-independent)
     levels: int = 2            # per-row int8 levels: 2 (int8) or 1 (w8a8)
+    q4k: bool = False          # Q4_K blocks through our kernel, the rest as int8
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        if self.q4k:
+            return q4k_or_int8(weight, bias)
         if self.int8:
             return RowInt8Linear(weight, bias, self.levels) if self.per_row else \
                 DynamicInt8Linear(weight, bias)
@@ -68,6 +76,82 @@ class WeightFormat:
             return PackedFp16Linear(weight, bias)
         w = weight.to(self.weight_dtype)
         return DenseLinear(w, None if bias is None else bias.to(self.act_dtype))
+
+    def linear_rows(self, parts: list[torch.Tensor], bias: torch.Tensor | None = None) -> Linear:
+        """One linear over weights stacked by rows (q|k|v, gate|up). Under q4k, parts the
+        file stores differently (a Q6_K v beside Q4_K q and k) each keep their own storage,
+        and their outputs are joined."""
+        if not self.q4k:
+            return self.linear(torch.cat(parts), bias)
+        groups: list[list[torch.Tensor]] = []
+        for p in parts:
+            if groups and q4k_kind(p) == q4k_kind(groups[-1][0]):
+                groups[-1].append(p)
+            else:
+                groups.append([p])
+        linears, start = [], 0
+        for g in groups:
+            rows = sum(p.shape[0] for p in g)
+            b = None if bias is None else bias[start:start + rows]
+            linears.append(q4k_or_int8(_cat_with_source(g), b))
+            start += rows
+        return linears[0] if len(linears) == 1 else RowStackedLinear(linears)
+
+
+def q4k_kind(weight: torch.Tensor) -> str:
+    """How the q4k format stores a weight: "blocks" (the file's Q4_K blocks), "int8" (the
+    file stores more bits than 4, or the columns are not whole 256-weight blocks) or
+    "quantize" (float weights, quantized to Q4_K here)."""
+    from specdec.model.q4k import QK, Q4KBlocks
+
+    source = getattr(weight, "q4k_source", None)
+    if isinstance(source, Q4KBlocks):
+        return "blocks"
+    if source == "int8" or weight.shape[1] % QK:
+        return "int8"
+    return "quantize"
+
+
+def _cat_with_source(parts: list[torch.Tensor]) -> torch.Tensor:
+    from specdec.model.q4k import Q4KBlocks
+
+    if len(parts) == 1:
+        return parts[0]
+    out = torch.cat(parts)
+    sources = [getattr(p, "q4k_source", None) for p in parts]
+    if all(isinstance(s, Q4KBlocks) for s in sources):
+        out.q4k_source = Q4KBlocks.cat(sources)
+    elif sources[0] == "int8":
+        out.q4k_source = "int8"
+    return out
+
+
+def q4k_or_int8(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    from specdec.model.q4k import Q4KLinear, quantize
+
+    kind = q4k_kind(weight)
+    if kind == "blocks":
+        return Q4KLinear(weight.q4k_source, bias)
+    if kind == "quantize":
+        return Q4KLinear(quantize(weight), bias)
+    return RowInt8Linear(weight, bias, 2)
+
+
+class RowStackedLinear(Linear):
+    """Linears over consecutive row ranges of one weight, outputs joined: each part in its
+    own storage."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        self.parts = parts
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
 
 
 @functools.lru_cache(maxsize=1)
@@ -94,7 +178,16 @@ def resolve_format(name: str | torch.dtype, device: str | torch.device = "cpu") 
     cuda = torch.device(device).type == "cuda"
     if name == "auto":
         name = "bfloat16" if cuda else fastest_cpu_format(torch.get_num_threads())
-    if name in ("int8", "w8a8", "int8-dynamic"):
+    if name == "q4k" and not cuda and fbgemm_available():
+        from specdec.model.q4k import available
+
+        if available():
+            return WeightFormat(name, torch.float16, torch.float32, packed=False, int8=True,
+                                per_row=True, levels=2, q4k=True)
+        warnings.warn("dtype 'q4k' needs its kernel, which did not build here (a C++ "
+                      "compiler and torch's headers); using 'int8'", stacklevel=2)
+        name = "int8"
+    if name in ("int8", "w8a8", "int8-dynamic", "q4k"):
         if cuda or not fbgemm_available():
             # Where FBGEMM's int8 does not run, the config still starts, in the fastest
             # format here (a batch-independent one: the target may be asking).

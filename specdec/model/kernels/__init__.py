@@ -1,0 +1,1 @@
+"""Our own C++ kernels, compiled on first use for the CPU at hand (see build.py)."""

@@ -1,0 +1,88 @@
+"""Compile and load a C++ kernel of ours as torch ops, once per machine.
+
+The kernels are built for the CPU they run on (`-march=native`: AVX512-VNNI where it exists),
+so the build is cached under a key of the source, the torch version and the CPU's flags: a
+cache shared by different machines never loads a binary built for another CPU. The first
+build takes about half a minute (torch's headers); later loads take milliseconds. Ranks
+starting together build once: torch's build directory lock makes the others wait.
+
+Where no compiler is found the build fails with KernelUnavailable and the caller falls back
+to a torch format (the weight format says so in a warning).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+_HERE = Path(__file__).parent
+
+
+class KernelUnavailable(RuntimeError):
+    pass
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")) / "kernels"
+
+
+def _key(source: Path) -> str:
+    h = hashlib.sha256()
+    h.update(source.read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    h.update(sys.version.encode())
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def load(name: str) -> None:
+    """Build (or find built) kernels/<name>.cpp and register its ops with torch."""
+    source = _HERE / f"{name}.cpp"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise KernelUnavailable(f"no C++ compiler to build the {name} kernel")
+    build_dir = _cache_root() / f"{name}-{_key(source)}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # ninja comes with the package (PyPI's wheel puts it beside this interpreter), which a
+    # Ray worker's PATH may not include.
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    from torch.utils import cpp_extension
+
+    built = any(build_dir.glob(f"{name}*.so"))
+    if not built:
+        print(f"specdec: building the {name} kernel for this CPU (once, ~30 s) in {build_dir}",
+              file=sys.stderr, flush=True)
+    t = time.monotonic()
+    try:
+        cpp_extension.load(
+            name=name, sources=[str(source)], build_directory=str(build_dir),
+            # -fopenmp: at::parallel_for's region; the library links libgomp.so.1, which
+            # resolves to the copy torch already loaded (one thread pool, not two).
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as e:  # compiler errors, missing headers, no ninja
+        raise KernelUnavailable(f"the {name} kernel did not build: {e}") from e
+    if not built:
+        print(f"specdec: {name} kernel built in {time.monotonic() - t:.0f} s",
+              file=sys.stderr, flush=True)
+
+

@@ -1,0 +1,201 @@
+"""The `q4k` weight format: GGUF's 4-bit K-quant blocks, run by our own int8 kernel.
+
+A Q4_K row is a run of 256-weight blocks, each with an fp16 scale d and minimum dmin and
+eight 32-weight sub-blocks with a 6-bit scale and minimum of their own: weight = d * scale
+* q - dmin * min, q in 0..15 (4.5 bits a weight). Tensors a GGUF file stores as Q4_K keep
+their very blocks (nothing is rounded twice); float weights (safetensors, F16 files, test
+fixtures) are quantized to the same blocks here. The kernel (kernels/q4k_linear.cpp)
+quantizes each row's activations to int8 per 256 columns and sums u8 x s8 products in
+int32: llama.cpp's Q4_K x Q8_K arithmetic, batch-independent, so a target may use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from specdec.model import opaque_op
+from specdec.model.linear import Linear
+
+QK = 256         # weights per block
+TILE = 16        # output channels per SIMD tile
+BLOB = 2368      # packed bytes per (tile, block): see kernels/q4k_linear.cpp
+Q4_K_BYTES = 144  # bytes of one GGUF Q4_K block
+
+
+@functools.cache
+def kernel_ops():
+    """torch.ops.specdec_q4k, built for this CPU on first use (KernelUnavailable if not)."""
+    from specdec.model.kernels import build
+
+    build.load("q4k_linear")
+    return torch.ops.specdec_q4k
+
+
+def available() -> bool:
+    from specdec.model.kernels.build import KernelUnavailable
+
+    try:
+        kernel_ops()
+    except KernelUnavailable:
+        return False
+    return True
+
+
+@dataclasses.dataclass
+class Q4KBlocks:
+    """A weight [N, K] in Q4_K blocks, unpacked: d, dmin [N, nb] float32 (fp16 values);
+    scales, mins [N, nb, 8] uint8 (6 bits); q [N, nb, 256] uint8 (4 bits), columns in order."""
+
+    d: torch.Tensor
+    dmin: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    q: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.q.shape[1] * QK
+
+    def dequantize(self) -> torch.Tensor:
+        n, nb = self.d.shape
+        scale = (self.d.unsqueeze(-1) * self.scales.float()).unsqueeze(-1)  # [N, nb, 8, 1]
+        low = (self.dmin.unsqueeze(-1) * self.mins.float()).unsqueeze(-1)
+        q = self.q.reshape(n, nb, 8, 32).float()
+        return (scale * q - low).reshape(n, nb * QK)
+
+    def rows(self, start: int, stop: int) -> Q4KBlocks:
+        return Q4KBlocks(*(getattr(self, f.name)[start:stop] for f in dataclasses.fields(self)))
+
+    def columns(self, start: int, stop: int) -> Q4KBlocks:
+        if start % QK or stop % QK:
+            raise ValueError(f"columns {start}:{stop} do not fall on {QK}-weight blocks")
+        a, b = start // QK, stop // QK
+        return Q4KBlocks(*(getattr(self, f.name)[:, a:b] for f in dataclasses.fields(self)))
+
+    @staticmethod
+    def cat(parts: list[Q4KBlocks]) -> Q4KBlocks:
+        return Q4KBlocks(*(torch.cat([getattr(p, f.name) for p in parts])
+                           for f in dataclasses.fields(Q4KBlocks)))
+
+
+def from_gguf(raw: torch.Tensor) -> Q4KBlocks:
+    """GGUF Q4_K bytes, [N, nb * 144] uint8 -> the blocks (ggml-quants.c's layout)."""
+    from specdec.model.gguf_quants import _k_scale_min
+
+    n = raw.shape[0]
+    b = raw.reshape(-1, Q4_K_BYTES)
+    d = b[:, :2].contiguous().view(torch.float16).float()
+    dmin = b[:, 2:4].contiguous().view(torch.float16).float()
+    scales, mins = _k_scale_min(b[:, 4:16])
+    # 4 runs of 32 bytes; each holds two sub-blocks (low nibbles, then high).
+    qs = b[:, 16:].reshape(-1, 4, 32)
+    q = torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(n, -1, QK)
+    nb = q.shape[1]
+    return Q4KBlocks(d.reshape(n, nb), dmin.reshape(n, nb), scales.to(torch.uint8).reshape(n, nb, 8),
+                     mins.to(torch.uint8).reshape(n, nb, 8), q)
+
+
+def quantize(weight: torch.Tensor) -> Q4KBlocks:
+    """Float weights [N, K] (K a multiple of 256) -> Q4_K blocks: per 32 weights a scale
+    and a minimum (<= 0) spanning them, then each block's 8 scales and 8 minimums as 6-bit
+    multiples of its own d and dmin (fp16), as llama.cpp's K-quants store them."""
+    n, k = weight.shape
+    if k % QK:
+        raise ValueError(f"q4k needs input features in multiples of {QK}, got {k}")
+    w = weight.float().reshape(n, k // QK, 8, 32)
+    lo = w.amin(dim=-1).clamp(max=0.0)
+    hi = w.amax(dim=-1)
+    sub_scale = (hi - lo) / 15.0
+    d = (sub_scale.amax(dim=-1) / 63.0).half().float()
+    dmin = ((-lo).amax(dim=-1) / 63.0).half().float()
+    safe_d = torch.where(d > 0, d, torch.ones_like(d)).unsqueeze(-1)
+    safe_dmin = torch.where(dmin > 0, dmin, torch.ones_like(dmin)).unsqueeze(-1)
+    scales = torch.round(sub_scale / safe_d).clamp(0, 63)
+    mins = torch.round(-lo / safe_dmin).clamp(0, 63)
+    step = (d.unsqueeze(-1) * scales).unsqueeze(-1)
+    offset = (dmin.unsqueeze(-1) * mins).unsqueeze(-1)
+    q = torch.round((w + offset) / torch.where(step > 0, step, torch.ones_like(step)))
+    q = torch.where(step > 0, q, torch.zeros_like(q)).clamp(0, 15)
+    return Q4KBlocks(d, dmin, scales.to(torch.uint8), mins.to(torch.uint8),
+                     q.to(torch.uint8).reshape(n, k // QK, QK))
+
+
+def pack(blocks: Q4KBlocks) -> torch.Tensor:
+    """The kernel's layout: [tiles, nb, 2368] uint8, output channels 16 to a tile (the last
+    tile padded with zero weights)."""
+    n, nb = blocks.d.shape
+    tiles = -(-n // TILE)
+    pad = tiles * TILE - n
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+    # column 32j + 16h + 4p + i -> [j][h][p][i]; a byte holds h = 0 (low) and h = 1 (high).
+    q = padded(blocks.q).reshape(tiles, TILE, nb, 8, 2, 4, 4)
+    byte = q[:, :, :, :, 0] | (q[:, :, :, :, 1] << 4)              # [T, c, nb, j, p, i]
+    qs = byte.permute(0, 2, 3, 4, 1, 5).reshape(tiles, nb, 2048)    # [T, nb, j, p, c, i]
+    sc = padded(blocks.scales).reshape(tiles, TILE, nb, 8).permute(0, 2, 3, 1)
+    mn = padded(blocks.mins).reshape(tiles, TILE, nb, 4, 2).permute(0, 2, 3, 1, 4)
+
+    def halves(t: torch.Tensor) -> torch.Tensor:
+        h = padded(t).half().reshape(tiles, TILE, nb).permute(0, 2, 1).contiguous()
+        return h.view(torch.uint8)                                   # [T, nb, 32]
+
+    return torch.cat([qs, sc.reshape(tiles, nb, 128), mn.reshape(tiles, nb, 128),
+                      halves(blocks.d), halves(blocks.dmin)], dim=2).contiguous()
+
+
+def unpack(packed: torch.Tensor, n: int) -> Q4KBlocks:
+    """The inverse of pack (the first n output channels)."""
+    tiles, nb, _ = packed.shape
+    qs = packed[:, :, :2048].reshape(tiles, nb, 8, 4, TILE, 4).permute(0, 4, 1, 2, 3, 5)
+    q = torch.stack([qs & 0x0F, qs >> 4], dim=4)                    # [T, c, nb, j, h, p, i]
+    q = q.reshape(tiles * TILE, nb, QK)[:n]
+    sc = packed[:, :, 2048:2176].reshape(tiles, nb, 8, TILE).permute(0, 3, 1, 2)
+    mn = packed[:, :, 2176:2304].reshape(tiles, nb, 4, TILE, 2).permute(0, 3, 1, 2, 4)
+
+    def floats(t: torch.Tensor) -> torch.Tensor:
+        h = t.contiguous().view(torch.float16).float()               # [T, nb, 16]
+        return h.permute(0, 2, 1).reshape(tiles * TILE, nb)[:n]
+
+    return Q4KBlocks(floats(packed[:, :, 2304:2336]), floats(packed[:, :, 2336:2368]),
+                     sc.reshape(tiles * TILE, nb, 8)[:n], mn.reshape(tiles * TILE, nb, 8)[:n], q)
+
+
+class Q4KLinear(Linear):
+    """y = x W^T + b with W in Q4_K blocks; fp32 in and out."""
+
+    def __init__(self, blocks: Q4KBlocks, bias: torch.Tensor | None = None) -> None:
+        self.ops = kernel_ops()
+        self.out_features, self.in_features = blocks.shape
+        self.packed = pack(blocks)
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.handle = opaque_op.register(self)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return opaque_op.call(self, x)
+
+    def eager(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        y = self.ops.linear(x, self.packed, self.out_features, self.bias)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        b = 0 if self.bias is None else 4 * self.bias.numel()
+        return self.packed.numel() + b
+
+    def blocks(self) -> Q4KBlocks:
+        return unpack(self.packed, self.out_features)
+
+    def weight(self) -> torch.Tensor:
+        return self.blocks().dequantize()
+
+    def first_rows(self, n: int) -> Q4KLinear:
+        return Q4KLinear(self.blocks().rows(0, n), None if self.bias is None else self.bias[:n])

@@ -1,0 +1,251 @@
+"""The q4k format: GGUF's Q4_K blocks kept as the file stores them and run by our kernel.
+
+The kernel must give what its scalar reference gives (same integers, same float steps),
+track float arithmetic on the same 4-bit weights, and keep a row's result bit-identical
+alone and in any batch (what a target needs); the loader must keep the file's very blocks;
+greedy speculation with a q4k target must equal plain decoding in that format.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from engine_helpers import greedy, random_prompts
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as reference_dequantize
+
+from specdec.engine.engine import Engine
+from specdec.engine.request import Request
+from specdec.model import q4k
+from specdec.model.decoder import BatchInput, Decoder
+from specdec.model.generate import plain_generate
+from specdec.model.int8_linear import RowInt8Linear
+from specdec.model.weight_format import RowStackedLinear, fbgemm_available, resolve_format
+from specdec.spec_decode.proposers import DraftModelProposer
+from specdec.spec_decode.target_runner import LocalTargetRunner
+
+pytestmark = pytest.mark.skipif(not (fbgemm_available() and q4k.available()),
+                                reason="q4k needs its kernel (a C++ compiler) and FBGEMM")
+
+
+def random_blocks(n: int, k: int, seed: int) -> q4k.Q4KBlocks:
+    """Every field over its whole range: 6-bit scales and minimums, 4-bit weights."""
+    g = torch.Generator().manual_seed(seed)
+    nb = k // q4k.QK
+
+    def ints(high, *shape):
+        return torch.randint(0, high, shape, generator=g, dtype=torch.uint8)
+
+    d = (torch.rand(n, nb, generator=g) * 1e-3).half().float()
+    dmin = (torch.rand(n, nb, generator=g) * 1e-3).half().float()
+    return q4k.Q4KBlocks(d, dmin, ints(64, n, nb, 8), ints(64, n, nb, 8), ints(16, n, nb, 256))
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's view of x: int8 per 256 columns of a row, times that block's scale."""
+    b = x.reshape(x.shape[0], -1, q4k.QK)
+    amax = b.abs().amax(dim=-1, keepdim=True)
+    scale = amax / 127
+    q = torch.round(b * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
+    return (q.double() * scale.double()).reshape(x.shape)
+
+
+def to_gguf_bytes(blocks: q4k.Q4KBlocks) -> np.ndarray:
+    """Q4_K blocks in GGUF's byte layout (ggml-quants.c), the inverse of q4k.from_gguf."""
+    n, nb = blocks.d.shape
+    sc, mn = blocks.scales.reshape(-1, 8), blocks.mins.reshape(-1, 8)
+    packed = torch.zeros(n * nb, 12, dtype=torch.uint8)
+    packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)
+    q = blocks.q.reshape(-1, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    d = blocks.d.reshape(-1, 1).half().view(torch.uint8)
+    dmin = blocks.dmin.reshape(-1, 1).half().view(torch.uint8)
+    raw = torch.cat([d, dmin, packed, qs], dim=1)
+    return raw.reshape(n, nb * q4k.Q4_K_BYTES).numpy()
+
+
+def test_the_kernel_gives_its_reference_and_tracks_float_arithmetic():
+    blocks = random_blocks(45, 512, seed=1)   # 45: a last tile of 13 channels
+    bias = torch.randn(45)
+    lin = q4k.Q4KLinear(blocks, bias)
+    x = torch.randn(11, 512) * torch.linspace(0.01, 10, 11)[:, None]
+    y = lin(x)
+    assert torch.equal(y, lin.ops.linear_reference(x, lin.packed, 45, lin.bias))
+    w = blocks.dequantize().double()
+    exact = (quantized_activations(x) @ w.T + bias.double()).float()
+    torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-5)
+    rel = (y - (x.double() @ w.T + bias.double()).float()).norm(dim=1) / (x @ w.float().T).norm(dim=1)
+    assert rel.max() < 2e-2, rel      # int8 activations per 256 columns
+    assert lin.nbytes < 0.6 * 45 * 512 + 4 * 45 + 16 * 2368  # ~4.6 bits a weight
+
+
+def test_a_rows_result_is_bit_identical_alone_and_in_any_batch():
+    lin = q4k.Q4KLinear(random_blocks(70, 768, seed=2))
+    x = torch.randn(13, 768) * 3
+    whole = lin(x)
+    for i in range(13):
+        assert torch.equal(lin(x[i:i + 1])[0], whole[i])
+        assert torch.equal(lin(x[:i + 1])[i], whole[i])
+        assert torch.equal(lin(torch.cat([x[i:i + 1], x * 7]))[0], whole[i])
+
+
+def test_packing_round_trips_and_the_gguf_bytes_read_as_the_reference_reads_them():
+    blocks = random_blocks(19, 512, seed=3)
+    back = q4k.unpack(q4k.pack(blocks), 19)
+    for name in ("d", "dmin", "scales", "mins", "q"):
+        assert torch.equal(getattr(back, name), getattr(blocks, name)), name
+    raw = to_gguf_bytes(blocks)
+    ref = torch.from_numpy(reference_dequantize(raw, Q.Q4_K).astype(np.float32))
+    got = q4k.from_gguf(torch.from_numpy(raw.copy()))
+    assert torch.equal(got.dequantize(), ref.reshape(19, 512))
+    assert torch.equal(got.q, blocks.q) and torch.equal(got.scales, blocks.scales)
+
+
+def test_float_weights_quantize_within_half_a_step():
+    w = torch.randn(32, 512) * 0.05
+    w[3, 100] = 2.0                             # an outlier sets its own sub-block's scale
+    b = q4k.quantize(w)
+    err = (b.dequantize() - w).abs().reshape(32, 2, 8, 32)
+    step = (b.d.unsqueeze(-1) * b.scales.float()).unsqueeze(-1)
+    # Half a step, plus the 6-bit rounding of the sub-block's scale and minimum.
+    assert (err <= step * 0.5 + b.dmin.reshape(32, 2, 1, 1) * 0.5 + step * 15 / 63 + 1e-7).all()
+    assert (b.dequantize() - w).norm() / w.norm() < 0.12
+
+
+def test_q4k_refuses_columns_that_are_not_whole_blocks():
+    with pytest.raises(ValueError, match="multiples of 256"):
+        q4k.quantize(torch.randn(8, 300))
+
+
+# ---- the format over a model ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def q4k_gguf(q4k_pair):
+    return q4k_pair[0]
+
+
+@pytest.fixture(scope="module")
+def q4k_pair(tmp_path_factory):
+    """(a tiny Qwen2 as a GGUF, its float checkpoint). The GGUF's projections are Q4_K, except v (Q8_0: more bits, so q4k
+    keeps it as int8 beside the 4-bit q and k, as the output) and o (F16: quantized here)."""
+    import gguf
+    from conftest import make_tiny_checkpoint
+    from gguf.quants import quantize as gguf_quantize
+    from safetensors.torch import load_file
+    from test_gguf import _hf_to_gguf
+
+    from specdec.model.config import DecoderConfig
+
+    src = make_tiny_checkpoint(tmp_path_factory.mktemp("q4k-src"), "qwen2", hidden_size=256,
+                               intermediate_size=512, num_attention_heads=4,
+                               num_key_value_heads=2)
+    cfg = DecoderConfig.from_checkpoint(src)
+    dest = tmp_path_factory.mktemp("q4k-gguf") / "tiny-q4k.gguf"
+    w = gguf.GGUFWriter(str(dest), "qwen2")
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_eos_token_id(2)
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        a, gname = t.float().numpy(), _hf_to_gguf(name)
+        if a.ndim == 1 or gname in ("token_embd.weight",):
+            w.add_tensor(gname, a)
+        elif gname.endswith("attn_v.weight") or gname == "output.weight":
+            w.add_tensor(gname, gguf_quantize(a, Q.Q8_0), raw_dtype=Q.Q8_0)
+        elif gname.endswith("attn_output.weight"):
+            w.add_tensor(gname, a.astype(np.float16))
+        else:
+            w.add_tensor(gname, to_gguf_bytes(q4k.quantize(t.float())), raw_dtype=Q.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dest, src
+
+
+def test_the_loader_keeps_the_files_blocks_and_more_bits_as_int8(q4k_gguf):
+    from specdec.model.gguf_file import GGUFCheckpoint
+
+    m = Decoder.from_checkpoint(q4k_gguf, "q4k")
+    ck = GGUFCheckpoint(q4k_gguf)
+    layer = m.layers[1].w
+    gate_up = layer["gate_up"]
+    assert isinstance(gate_up, q4k.Q4KLinear)
+    file_blocks = q4k.Q4KBlocks.cat([ck.q4k_source(f"model.layers.1.mlp.{p}_proj.weight")
+                                     for p in ("gate", "up")])
+    assert torch.equal(gate_up.weight(), file_blocks.dequantize())
+    assert isinstance(layer["qkv"], RowStackedLinear)          # q|k in 4 bits, v in int8
+    assert [type(p) for p in layer["qkv"].parts] == [q4k.Q4KLinear, RowInt8Linear]
+    assert isinstance(m.lm_head, RowInt8Linear)               # Q8_0 in the file
+    assert isinstance(layer["o"], q4k.Q4KLinear)              # F16 in the file: quantized
+    ref = Decoder.from_checkpoint(q4k_gguf, "float32")         # the same file in fp32
+    seq = list(range(3, 40))
+    b = BatchInput.build([(0, 0, seq)])
+    got = m(b, m.new_cache(1, 64), logit_indices=torch.arange(len(seq)))
+    want = ref(b, ref.new_cache(1, 64), logit_indices=torch.arange(len(seq)))
+    # A tiny random model amplifies every rounding (int8's own two-level activations land
+    # ~12% from fp32 here); a wrong layout or scale would be ~100% off.
+    assert ((got - want).norm(dim=1) / want.norm(dim=1)).median() < 0.3
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8
+
+
+def _last_logits(model, seqs):
+    cache = model.new_cache(len(seqs), 96)
+    b = BatchInput.build([(i, 0, s) for i, s in enumerate(seqs)])
+    starts = torch.tensor([0, *[len(s) for s in seqs]]).cumsum(0)
+    return model(b, cache, logit_indices=starts[1:] - 1)
+
+
+def test_a_q4k_models_logits_are_bit_identical_alone_and_in_any_batch(q4k_gguf):
+    m = Decoder.from_checkpoint(q4k_gguf, "q4k")
+    row = list(range(3, 20))
+    alone = _last_logits(m, [row])[0]
+    for others in ([list(range(40, 90))], [[5] * 3, list(range(10, 60, 2)), [90, 91]]):
+        assert torch.equal(_last_logits(m, [row, *others])[0], alone)
+
+
+def test_greedy_speculation_with_a_q4k_target_equals_plain(q4k_pair, tmp_path):
+    from conftest import make_perturbed_copy
+
+    gguf_path, src = q4k_pair
+    target = Decoder.from_checkpoint(gguf_path, "q4k")
+    far = make_perturbed_copy(src, tmp_path / "far-draft", 0.2, 3)   # often wrong
+    draft = Decoder.from_checkpoint(far, "int8-dynamic")
+    engine = Engine(LocalTargetRunner(target, 8, 192),
+                    {"draft": DraftModelProposer(draft, 8, 192, "probabilistic")}, None, ())
+    prompts = random_prompts((5, 9, 13, 7), seed=8)
+    out = engine.run([Request(f"r{i}", p, greedy(24), "draft", 4)
+                      for i, p in enumerate(prompts)])
+    plain = plain_generate(target, prompts, greedy(24)).token_ids
+    assert [out[f"r{i}"].token_ids for i in range(len(prompts))] == plain
+    assert sum(o.spec.rejections for o in out.values()) > 0  # the draft disagrees
+
+
+def test_q4k_resolves_to_a_batch_independent_format():
+    fmt = resolve_format("q4k")
+    assert fmt.q4k and fmt.per_row
+
+
+@pytest.mark.real_model
+def test_the_pack_target_in_q4k_keeps_its_file_blocks_and_is_batch_independent(qwen_target_path):
+    from specdec.model.gguf_file import GGUFCheckpoint
+
+    m = Decoder.from_checkpoint(qwen_target_path, "q4k")
+    ck = GGUFCheckpoint(qwen_target_path / "model.gguf")
+    assert ck.quant_type("model.layers.0.self_attn.o_proj.weight") == "Q4_K"
+    o = m.layers[0].w["o"]
+    assert isinstance(o, q4k.Q4KLinear)
+    assert torch.equal(o.weight(), ck.get("model.layers.0.self_attn.o_proj.weight"))
+    assert isinstance(m.lm_head, RowInt8Linear)               # Q6_K in the file
+    row = list(range(1000, 1012))
+    alone = _last_logits(m, [row])[0]
+    assert torch.equal(_last_logits(m, [row, list(range(2000, 2030)), [3, 4, 5]])[0], alone)
