@@ -24,7 +24,7 @@ from specdec.policy.settings import PolicySettings
 from specdec.spec_decode.proposers import DEFAULT_Q_TOP_M
 
 WeightFormatName = Literal["auto", "float32", "bfloat16", "float16", "int8", "w8a8",
-                           "int8-dynamic", "q4k"]
+                           "int8-dynamic", "q4k", "int4"]
 assert set(WeightFormatName.__args__) == set(FORMATS)
 
 
@@ -63,7 +63,9 @@ class ModelGroupConfig(BaseModel):
         "Weight format. q4k: a GGUF file's Q4_K tensors in their 4-bit blocks, through "
         "our int8-activation kernel (built on first use), other tensors as int8 "
         "(batch-invariant; the CPU target default). int8: int8 weights, per-row two-level "
-        "int8 activations (batch-invariant). w8a8: one level. int8-dynamic: one "
+        "int8 activations (batch-invariant). int4: every projection in Q4_K blocks through "
+        "the same kernel, rounded from whatever the file stores (the smallest; for drafts). "
+        "w8a8: one level. int8-dynamic: one "
         "activation scale per batch (draft only). float16: fp16 packed for FBGEMM. auto: "
         "the fastest of bf16 / fp16 packed measured on this CPU, bf16 on a GPU."))
     resources: ActorResources = Field(default_factory=ActorResources,
@@ -80,7 +82,7 @@ class ModelGroupConfig(BaseModel):
         "A one-rank draft that is not eager runs each round as one loop (its k guesses "
         "picked on the device, one copy to the host; a graph per rows x keys x k), except "
         "while overlapped with the target or for rows with top_k/top_p. "
-        "Prefill chunks and batch-invariant formats (int8, w8a8, q4k) always run eager."))
+        "Prefill chunks and batch-invariant formats (int8, w8a8, q4k, int4) always run eager."))
 
     def threads_per_rank(self) -> int:
         return self.threads or max(1, math.floor(self.resources.num_cpus))

@@ -99,13 +99,17 @@ def from_gguf(raw: torch.Tensor) -> Q4KBlocks:
 
 
 def quantize(weight: torch.Tensor) -> Q4KBlocks:
-    """Float weights [N, K] (K a multiple of 256) -> Q4_K blocks: per 32 weights a scale
+    """Float weights [N, K] (K a multiple of 32) -> Q4_K blocks: per 32 weights a scale
     and a minimum (<= 0) spanning them, then each block's 8 scales and 8 minimums as 6-bit
     multiples of its own d and dmin (fp16), as llama.cpp's K-quants store them."""
     n, k = weight.shape
-    if k % QK:
-        raise ValueError(f"q4k needs input features in multiples of {QK}, got {k}")
-    w = weight.float().reshape(n, k // QK, 8, 32)
+    if k % 32:
+        raise ValueError(f"q4k needs input features in multiples of 32, got {k}")
+    # A partial last block is padded with zero weights (their sub-blocks quantize to zero);
+    # the kernel pads each row of activations to match.
+    w = torch.nn.functional.pad(weight.float(), (0, -k % QK))
+    k = w.shape[1]
+    w = w.reshape(n, k // QK, 8, 32)
     lo = w.amin(dim=-1).clamp(max=0.0)
     hi = w.amax(dim=-1)
     sub_scale = (hi - lo) / 15.0
@@ -168,9 +172,12 @@ def unpack(packed: torch.Tensor, n: int) -> Q4KBlocks:
 class Q4KLinear(Linear):
     """y = x W^T + b with W in Q4_K blocks; fp32 in and out."""
 
-    def __init__(self, blocks: Q4KBlocks, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, blocks: Q4KBlocks, bias: torch.Tensor | None = None,
+                 in_features: int | None = None) -> None:
         self.ops = kernel_ops()
-        self.out_features, self.in_features = blocks.shape
+        self.out_features, padded = blocks.shape
+        # The input width, where the blocks end in zero padding (quantize's partial block).
+        self.in_features = in_features or padded
         self.packed = pack(blocks)
         self.bias = None if bias is None else bias.float().contiguous()
         self.handle = opaque_op.register(self)
@@ -195,7 +202,8 @@ class Q4KLinear(Linear):
         return unpack(self.packed, self.out_features)
 
     def weight(self) -> torch.Tensor:
-        return self.blocks().dequantize()
+        return self.blocks().dequantize()[:, :self.in_features]
 
     def first_rows(self, n: int) -> Q4KLinear:
-        return Q4KLinear(self.blocks().rows(0, n), None if self.bias is None else self.bias[:n])
+        return Q4KLinear(self.blocks().rows(0, n), None if self.bias is None else self.bias[:n],
+                         self.in_features)

@@ -23,6 +23,9 @@ how fast a small-M matmul reads the weights (benchmarks/RESULTS.md has the figur
   batch-independent too): 4.6 bits read a weight against int8's 8, the bytes a CPU decode
   step is bound by. Tensors the file stores in more bits (Q5/Q6/Q8) keep them as `int8`;
   float weights are quantized to Q4_K blocks. It is the CPU target's default.
+- "int4": every projection in Q4_K blocks through the same kernel, whatever the file stores
+  (Q5/Q6/Q8 tensors rounded to 4 bits, partial blocks zero-padded): the fewest bytes, and
+  further from the file, so for drafts: a draft's rounding moves acceptance, never exactness.
 - "auto" picks bf16 on CUDA; on a CPU it measures the candidates it has (bf16 where the CPU
   has native bf16, fp16 packed where FBGEMM runs) on a projection of the real size and keeps
   the faster, else fp32: CPU flags alone chose wrong.
@@ -42,7 +45,8 @@ import torch
 from specdec.model.int8_linear import DynamicInt8Linear, RowInt8Linear
 from specdec.model.linear import DenseLinear, Linear, PackedFp16Linear
 
-FORMATS = ("auto", "float32", "bfloat16", "float16", "int8", "w8a8", "int8-dynamic", "q4k")
+FORMATS = ("auto", "float32", "bfloat16", "float16", "int8", "w8a8", "int8-dynamic", "q4k",
+           "int4")
 
 
 # Formats whose row results depend on the other rows of a batch: never for a target.
@@ -65,10 +69,11 @@ class WeightFormat:
     per_row: bool = False      # int8 activations scaled per row (batch-independent)
     levels: int = 2            # per-row int8 levels: 2 (int8) or 1 (w8a8)
     q4k: bool = False          # Q4_K blocks through our kernel, the rest as int8
+    q4k_all: bool = False      # every projection in Q4_K blocks (int4)
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         if self.q4k:
-            return q4k_or_int8(weight, bias)
+            return q4k_or_int8(weight, bias, self.q4k_all)
         if self.int8:
             return RowInt8Linear(weight, bias, self.levels) if self.per_row else \
                 DynamicInt8Linear(weight, bias)
@@ -85,7 +90,7 @@ class WeightFormat:
             return self.linear(torch.cat(parts), bias)
         groups: list[list[torch.Tensor]] = []
         for p in parts:
-            if groups and q4k_kind(p) == q4k_kind(groups[-1][0]):
+            if groups and q4k_kind(p, self.q4k_all) == q4k_kind(groups[-1][0], self.q4k_all):
                 groups[-1].append(p)
             else:
                 groups.append([p])
@@ -93,20 +98,23 @@ class WeightFormat:
         for g in groups:
             rows = sum(p.shape[0] for p in g)
             b = None if bias is None else bias[start:start + rows]
-            linears.append(q4k_or_int8(_cat_with_source(g), b))
+            linears.append(q4k_or_int8(_cat_with_source(g), b, self.q4k_all))
             start += rows
         return linears[0] if len(linears) == 1 else RowStackedLinear(linears)
 
 
-def q4k_kind(weight: torch.Tensor) -> str:
+def q4k_kind(weight: torch.Tensor, everything: bool = False) -> str:
     """How the q4k format stores a weight: "blocks" (the file's Q4_K blocks), "int8" (the
     file stores more bits than 4, or the columns are not whole 256-weight blocks) or
-    "quantize" (float weights, quantized to Q4_K here)."""
+    "quantize" (float weights, quantized to Q4_K here). everything (int4): "blocks" or
+    "quantize", whatever the file stores, where the columns come in 32s."""
     from specdec.model.q4k import QK, Q4KBlocks
 
     source = getattr(weight, "q4k_source", None)
     if isinstance(source, Q4KBlocks):
         return "blocks"
+    if everything:
+        return "int8" if weight.shape[1] % 32 else "quantize"
     if source == "int8" or weight.shape[1] % QK:
         return "int8"
     return "quantize"
@@ -126,14 +134,15 @@ def _cat_with_source(parts: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def q4k_or_int8(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+def q4k_or_int8(weight: torch.Tensor, bias: torch.Tensor | None,
+                everything: bool = False) -> Linear:
     from specdec.model.q4k import Q4KLinear, quantize
 
-    kind = q4k_kind(weight)
+    kind = q4k_kind(weight, everything)
     if kind == "blocks":
         return Q4KLinear(weight.q4k_source, bias)
     if kind == "quantize":
-        return Q4KLinear(quantize(weight), bias)
+        return Q4KLinear(quantize(weight), bias, weight.shape[1])
     return RowInt8Linear(weight, bias, 2)
 
 
@@ -178,16 +187,16 @@ def resolve_format(name: str | torch.dtype, device: str | torch.device = "cpu") 
     cuda = torch.device(device).type == "cuda"
     if name == "auto":
         name = "bfloat16" if cuda else fastest_cpu_format(torch.get_num_threads())
-    if name == "q4k" and not cuda and fbgemm_available():
+    if name in ("q4k", "int4") and not cuda and fbgemm_available():
         from specdec.model.q4k import available
 
         if available():
             return WeightFormat(name, torch.float16, torch.float32, packed=False, int8=True,
-                                per_row=True, levels=2, q4k=True)
-        warnings.warn("dtype 'q4k' needs its kernel, which did not build here (a C++ "
+                                per_row=True, levels=2, q4k=True, q4k_all=name == "int4")
+        warnings.warn(f"dtype {name!r} needs its kernel, which did not build here (a C++ "
                       "compiler and torch's headers); using 'int8'", stacklevel=2)
         name = "int8"
-    if name in ("int8", "w8a8", "int8-dynamic", "q4k"):
+    if name in ("int8", "w8a8", "int8-dynamic", "q4k", "int4"):
         if cuda or not fbgemm_available():
             # Where FBGEMM's int8 does not run, the config still starts, in the fastest
             # format here (a batch-independent one: the target may be asking).

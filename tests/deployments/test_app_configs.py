@@ -27,7 +27,9 @@ def test_cpu_default_fits_two_cores_without_hidden_oversubscription():
     assert cfg.draft.resources.reserves_nothing and d_idx == [t_idx[0]]
     assert cfg.draft.vocab_limit and cfg.draft.q_top_m <= 256
     # The target in a batch-independent format (greedy speculative == plain in it).
-    assert cfg.target.dtype == "int8" and cfg.draft.dtype == "int8-dynamic"
+    assert cfg.target.dtype == "q4k" and cfg.draft.dtype == "int4"
+    from specdec.model.weight_format import BATCH_DEPENDENT, resolve_format
+    assert cfg.target.dtype not in BATCH_DEPENDENT and resolve_format(cfg.target.dtype).per_row
 
 
 def test_gpu_variant_puts_every_shard_and_the_draft_on_its_own_gpu():

@@ -26,6 +26,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -56,13 +57,21 @@ struct Quantized {
   const int16_t* sums;   // [M][nb][8]
 };
 
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* scale,
+// x: [M][Kx]; q: [M][K], K = Kx rounded up to whole blocks (the weights' zero padding).
+void quantize_rows(const float* x, int64_t M, int64_t Kx, int64_t K, int8_t* q, float* scale,
                    int16_t* sums) {
   const int64_t nb = K / QK;
   at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+    alignas(64) float pad[QK];
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t b = 0; b < nb; ++b) {
-        const float* xb = x + r * K + b * QK;
+        const float* xb = x + r * Kx + b * QK;
+        if ((b + 1) * QK > Kx) {  // the last, partial block: zeros past the row's end
+          const int64_t have = Kx - b * QK;
+          std::memcpy(pad, xb, have * sizeof(float));
+          std::fill(pad + have, pad + QK, 0.f);
+          xb = pad;
+        }
         int8_t* qb = q + r * K + b * QK;
         float amax = 0.f;
         for (int64_t t = 0; t < QK; ++t) amax = std::max(amax, std::fabs(xb[t]));
@@ -213,8 +222,9 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t N,
               "q4k_linear: x must be a contiguous 2-d float32 tensor");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous()
               && packed.size(2) == BLOB, "q4k_linear: packed must be [tiles, blocks, 2368] uint8");
-  const int64_t M = x.size(0), K = x.size(1), nb = packed.size(1), tiles = packed.size(0);
-  TORCH_CHECK(K == nb * QK, "q4k_linear: x has ", K, " columns, the weights ", nb * QK);
+  const int64_t M = x.size(0), Kx = x.size(1), nb = packed.size(1), tiles = packed.size(0);
+  const int64_t K = nb * QK;  // the weights' columns, zero-padded to whole blocks
+  TORCH_CHECK(Kx <= K && K - Kx < QK, "q4k_linear: x has ", Kx, " columns, the weights ", K);
   TORCH_CHECK(N > (tiles - 1) * TILE && N <= tiles * TILE, "q4k_linear: N does not fit the tiles");
   const float* bptr = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -227,7 +237,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor scale = at::empty({M, nb}, x.options());
   at::Tensor sums = at::empty({M, nb, 8}, x.options().dtype(at::kShort));
-  quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), scale.data_ptr<float>(),
+  quantize_rows(x.data_ptr<float>(), M, Kx, K, q.data_ptr<int8_t>(), scale.data_ptr<float>(),
                 sums.data_ptr<int16_t>());
   const Quantized xq{q.data_ptr<int8_t>(), scale.data_ptr<float>(), sums.data_ptr<int16_t>()};
   const uint8_t* wp = packed.data_ptr<uint8_t>();
