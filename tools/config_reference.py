@@ -36,9 +36,9 @@ applications:
     route_prefix: /
     import_path: deployments.app:app
     args:
-      target: {model: qwen2.5-coder-1.5b, dtype: int8, threads: 2,
+      target: {model: qwen2.5-coder-1.5b, dtype: q4k, threads: 2,
                resources: {num_cpus: 2}}
-      draft: {model: qwen2.5-coder-0.5b, dtype: int8-dynamic,
+      draft: {model: qwen2.5-coder-0.5b, dtype: int4,
               resources: {num_cpus: 0}}
 ```
 """
