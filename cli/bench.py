@@ -133,7 +133,7 @@ def _args_formats(bench) -> None:
                             "the same GGUF weights, beside llama.cpp's computation")
     b_fm.add_argument("--model", default="qwen2.5-coder-1.5b")
     b_fm.add_argument("--formats", nargs="+",
-                      default=["float16", "int8", "w8a8", "int8-dynamic"])
+                      default=["q4k", "int8", "int4", "int8-dynamic", "float16"])
     b_fm.add_argument("--prompts", type=int, default=8)
     b_fm.add_argument("--prompt-tokens", type=int, default=96)
     b_fm.add_argument("--tokens", type=int, default=64)

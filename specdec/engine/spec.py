@@ -192,7 +192,7 @@ class EngineSpec(BaseModel):
             raise ValueError(
                 f"target.dtype {self.target.dtype!r}: its rows' results depend on the other "
                 "rows of a batch, so greedy speculative output would not stay identical to "
-                "plain; it is for the draft only (use int8, float16, bfloat16 or auto here)")
+                "plain; it is for the draft only (use q4k, int8, float16, bfloat16 or auto here)")
         for role in ("target", "draft"):
             g = getattr(self, role)
             if g is None:

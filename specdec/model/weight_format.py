@@ -50,7 +50,8 @@ FORMATS = ("auto", "float32", "bfloat16", "float16", "int8", "w8a8", "int8-dynam
 
 
 # Formats whose row results depend on the other rows of a batch: never for a target.
-BATCH_DEPENDENT = frozenset({"int8-dynamic"})
+# (int4's kernel is batch-independent, but its tokens attend on a padded grid.)
+BATCH_DEPENDENT = frozenset({"int8-dynamic", "int4"})
 
 
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -191,10 +192,14 @@ def resolve_format(name: str | torch.dtype, device: str | torch.device = "cpu") 
         from specdec.model.q4k import available
 
         if available():
+            # int4 is a draft's format: its tokens may attend on the padded grid (cheaper
+            # for a batch, and the static step's form); q4k attends per token, as int8.
             return WeightFormat(name, torch.float16, torch.float32, packed=False, int8=True,
-                                per_row=True, levels=2, q4k=True, q4k_all=name == "int4")
+                                per_row=name == "q4k", levels=2, q4k=True,
+                                q4k_all=name == "int4")
         warnings.warn(f"dtype {name!r} needs its kernel, which did not build here (a C++ "
-                      "compiler and torch's headers); using 'int8'", stacklevel=2)
+                      "compiler and torch's headers) or has no SIMD form for this CPU "
+                      "(AVX512-VNNI); using 'int8'", stacklevel=2)
         name = "int8"
     if name in ("int8", "w8a8", "int8-dynamic", "q4k", "int4"):
         if cuda or not fbgemm_available():
