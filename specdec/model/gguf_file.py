@@ -162,25 +162,27 @@ class GGUFCheckpoint:
 
     def q4k_source(self, name: str, rows: range | None = None, cols: range | None = None):
         """What the q4k format keeps of a weight (specdec.model.weight_format.q4k_kind): its
-        Q4_K blocks (the rows and whole blocks of columns asked for), "int8" for a tensor the
-        file stores in more bits, or None for float storage (F32/F16/BF16)."""
-        from specdec.model.q4k import Q4_K_BYTES, QK, from_gguf
+        Q4_K or Q6_K blocks (the rows and whole blocks of columns asked for), "int8" for a
+        tensor stored in another quantized type, or None for float storage (F32/F16/BF16)."""
+        from specdec.model import q4k, q6k
 
         key, t, shape, raw = self._raw(name)
         kind = type_name(int(t.tensor_type))
         if kind in ("F32", "F16", "BF16"):
             return None
-        if kind != "Q4_K" or self._permute.get(key.split(".")[-2]) is not None:
-            return "int8"  # more bits than 4, or q/k rows the loader reorders
+        reader = {"Q4_K": (q4k.from_gguf, q4k.Q4_K_BYTES), "Q6_K": (q6k.from_gguf, q6k.Q6_K_BYTES)}
+        if kind not in reader or self._permute.get(key.split(".")[-2]) is not None:
+            return "int8"  # another block type, or q/k rows the loader reorders
+        read, nbytes = reader[kind]
         if rows is not None:
             raw = raw[rows.start:rows.stop]
         if cols is not None:
-            if cols.start % QK or cols.stop % QK:
+            if cols.start % q4k.QK or cols.stop % q4k.QK:
                 return "int8"  # a rank's columns cut a block
-            raw = raw[:, cols.start // QK * Q4_K_BYTES:cols.stop // QK * Q4_K_BYTES]
+            raw = raw[:, cols.start // q4k.QK * nbytes:cols.stop // q4k.QK * nbytes]
         with warnings.catch_warnings():  # a read-only memory map: only read
             warnings.simplefilter("ignore", UserWarning)
-            return from_gguf(torch.from_numpy(np.ascontiguousarray(raw)))
+            return read(torch.from_numpy(np.ascontiguousarray(raw)))
 
     def get(self, name: str, rows: range | None = None, cols: range | None = None,
             dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -4,7 +4,7 @@ A Q4_K row is a run of 256-weight blocks, each with an fp16 scale d and minimum 
 eight 32-weight sub-blocks with a 6-bit scale and minimum of their own: weight = d * scale
 * q - dmin * min, q in 0..15 (4.5 bits a weight). Tensors a GGUF file stores as Q4_K keep
 their very blocks (nothing is rounded twice); float weights (safetensors, F16 files, test
-fixtures) are quantized to the same blocks here. The kernel (kernels/q4k_linear.cpp)
+fixtures) are quantized to the same blocks here. The kernel (kernels/kquant_linear.cpp)
 quantizes each row's activations to int8 per 256 columns and sums u8 x s8 products in
 int32: llama.cpp's Q4_K x Q8_K arithmetic, batch-independent, so a target may use it.
 """
@@ -12,7 +12,6 @@ int32: llama.cpp's Q4_K x Q8_K arithmetic, batch-independent, so a target may us
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
@@ -21,28 +20,14 @@ from specdec.model.linear import Linear
 
 QK = 256         # weights per block
 TILE = 16        # output channels per SIMD tile
-BLOB = 2368      # packed bytes per (tile, block): see kernels/q4k_linear.cpp
+BLOB = 2368      # packed bytes per (tile, block): see kernels/kquant_linear.cpp
 Q4_K_BYTES = 144  # bytes of one GGUF Q4_K block
 
 
-@functools.cache
-def kernel_ops():
-    """torch.ops.specdec_q4k, built for this CPU on first use (KernelUnavailable if not)."""
-    from specdec.model.kernels import build
-
-    build.load("q4k_linear")
-    return torch.ops.specdec_q4k
-
-
 def available() -> bool:
-    """The kernel built here, in its SIMD form (AVX512-VNNI): elsewhere its scalar form is
-    correct but slower than FBGEMM's int8, so the formats stand back."""
-    from specdec.model.kernels.build import KernelUnavailable
+    from specdec.model.kernels.build import kquant_available
 
-    try:
-        return bool(kernel_ops().simd())
-    except KernelUnavailable:
-        return False
+    return kquant_available()
 
 
 @dataclasses.dataclass
@@ -175,7 +160,9 @@ class Q4KLinear(Linear):
 
     def __init__(self, blocks: Q4KBlocks, bias: torch.Tensor | None = None,
                  in_features: int | None = None) -> None:
-        self.ops = kernel_ops()
+        from specdec.model.kernels.build import kquant
+
+        self.ops = kquant()
         self.out_features, padded = blocks.shape
         # The input width, where the blocks end in zero padding (quantize's partial block).
         self.in_features = in_features or padded
@@ -191,7 +178,7 @@ class Q4KLinear(Linear):
         x = x.reshape(-1, shape[-1])
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
-        y = self.ops.linear(x, self.packed, self.out_features, self.bias)
+        y = self.ops.q4k(x, self.packed, self.out_features, self.bias)
         return y.reshape(*shape[:-1], self.out_features)
 
     @property

@@ -105,15 +105,18 @@ class WeightFormat:
 
 
 def q4k_kind(weight: torch.Tensor, everything: bool = False) -> str:
-    """How the q4k format stores a weight: "blocks" (the file's Q4_K blocks), "int8" (the
-    file stores more bits than 4, or the columns are not whole 256-weight blocks) or
+    """How the q4k format stores a weight: "blocks" / "blocks6" (the file's Q4_K / Q6_K
+    blocks), "int8" (another quantized type, or columns that are not whole blocks) or
     "quantize" (float weights, quantized to Q4_K here). everything (int4): "blocks" or
     "quantize", whatever the file stores, where the columns come in 32s."""
     from specdec.model.q4k import QK, Q4KBlocks
+    from specdec.model.q6k import Q6KBlocks
 
     source = getattr(weight, "q4k_source", None)
     if isinstance(source, Q4KBlocks):
         return "blocks"
+    if isinstance(source, Q6KBlocks) and not everything:
+        return "blocks6"
     if everything:
         return "int8" if weight.shape[1] % 32 else "quantize"
     if source == "int8" or weight.shape[1] % QK:
@@ -123,14 +126,16 @@ def q4k_kind(weight: torch.Tensor, everything: bool = False) -> str:
 
 def _cat_with_source(parts: list[torch.Tensor]) -> torch.Tensor:
     from specdec.model.q4k import Q4KBlocks
+    from specdec.model.q6k import Q6KBlocks
 
     if len(parts) == 1:
         return parts[0]
     out = torch.cat(parts)
     sources = [getattr(p, "q4k_source", None) for p in parts]
-    if all(isinstance(s, Q4KBlocks) for s in sources):
-        out.q4k_source = Q4KBlocks.cat(sources)
-    elif sources[0] == "int8":
+    for kind in (Q4KBlocks, Q6KBlocks):
+        if all(isinstance(s, kind) for s in sources):
+            out.q4k_source = kind.cat(sources)
+    if sources[0] == "int8":
         out.q4k_source = "int8"
     return out
 
@@ -138,10 +143,13 @@ def _cat_with_source(parts: list[torch.Tensor]) -> torch.Tensor:
 def q4k_or_int8(weight: torch.Tensor, bias: torch.Tensor | None,
                 everything: bool = False) -> Linear:
     from specdec.model.q4k import Q4KLinear, quantize
+    from specdec.model.q6k import Q6KLinear
 
     kind = q4k_kind(weight, everything)
     if kind == "blocks":
         return Q4KLinear(weight.q4k_source, bias)
+    if kind == "blocks6":
+        return Q6KLinear(weight.q4k_source, bias)
     if kind == "quantize":
         return Q4KLinear(quantize(weight), bias, weight.shape[1])
     return RowInt8Linear(weight, bias, 2)

@@ -21,6 +21,7 @@ from specdec.model import q4k
 from specdec.model.decoder import BatchInput, Decoder
 from specdec.model.generate import plain_generate
 from specdec.model.int8_linear import RowInt8Linear
+from specdec.model.q6k import Q6KLinear
 from specdec.model.weight_format import RowStackedLinear, fbgemm_available, resolve_format
 from specdec.spec_decode.proposers import DraftModelProposer
 from specdec.spec_decode.target_runner import LocalTargetRunner
@@ -73,7 +74,7 @@ def test_the_kernel_gives_its_reference_and_tracks_float_arithmetic():
     lin = q4k.Q4KLinear(blocks, bias)
     x = torch.randn(11, 512) * torch.linspace(0.01, 10, 11)[:, None]
     y = lin(x)
-    assert torch.equal(y, lin.ops.linear_reference(x, lin.packed, 45, lin.bias))
+    assert torch.equal(y, lin.ops.q4k_reference(x, lin.packed, 45, lin.bias))
     w = blocks.dequantize().double()
     exact = (quantized_activations(x) @ w.T + bias.double()).float()
     torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-5)
@@ -141,13 +142,16 @@ def q4k_gguf(q4k_pair):
 
 @pytest.fixture(scope="module")
 def q4k_pair(tmp_path_factory):
-    """(a tiny Qwen2 as a GGUF, its float checkpoint). The GGUF's projections are Q4_K, except v (Q8_0: more bits, so q4k
-    keeps it as int8 beside the 4-bit q and k, as the output) and o (F16: quantized here)."""
+    """(a tiny Qwen2 as a GGUF, its float checkpoint). The GGUF's projections are Q4_K, except
+    v (Q6_K in layer 0, kept as such; Q8_0 in layer 1, kept as int8, as is the output) and o
+    (F16: quantized to Q4_K here)."""
     import gguf
     from conftest import make_tiny_checkpoint
     from gguf.quants import quantize as gguf_quantize
     from safetensors.torch import load_file
     from test_gguf import _hf_to_gguf
+    from test_q6k import quantize_q6k
+    from test_q6k import to_gguf_bytes as q6k_bytes
 
     from specdec.model.config import DecoderConfig
 
@@ -171,6 +175,8 @@ def q4k_pair(tmp_path_factory):
         a, gname = t.float().numpy(), _hf_to_gguf(name)
         if a.ndim == 1 or gname in ("token_embd.weight",):
             w.add_tensor(gname, a)
+        elif gname == "blk.0.attn_v.weight":
+            w.add_tensor(gname, q6k_bytes(quantize_q6k(t.float())), raw_dtype=Q.Q6_K)
         elif gname.endswith("attn_v.weight") or gname == "output.weight":
             w.add_tensor(gname, gguf_quantize(a, Q.Q8_0), raw_dtype=Q.Q8_0)
         elif gname.endswith("attn_output.weight"):
@@ -197,6 +203,10 @@ def test_the_loader_keeps_the_files_blocks_and_more_bits_as_int8(q4k_gguf):
     assert torch.equal(gate_up.weight(), file_blocks.dequantize())
     assert isinstance(layer["qkv"], RowStackedLinear)          # q|k in 4 bits, v in int8
     assert [type(p) for p in layer["qkv"].parts] == [q4k.Q4KLinear, RowInt8Linear]
+    v6 = m.layers[0].w["qkv"].parts[1]                          # layer 0's v: Q6_K
+    assert isinstance(v6, Q6KLinear)
+    assert torch.equal(v6.weight(), ck.q4k_source("model.layers.0.self_attn.v_proj.weight")
+                       .dequantize())
     assert isinstance(m.lm_head, RowInt8Linear)               # Q8_0 in the file
     assert isinstance(layer["o"], q4k.Q4KLinear)              # F16 in the file: quantized
     ref = Decoder.from_checkpoint(q4k_gguf, "float32")         # the same file in fp32
@@ -257,7 +267,8 @@ def test_the_pack_target_in_q4k_keeps_its_file_blocks_and_is_batch_independent(q
     o = m.layers[0].w["o"]
     assert isinstance(o, q4k.Q4KLinear)
     assert torch.equal(o.weight(), ck.get("model.layers.0.self_attn.o_proj.weight"))
-    assert isinstance(m.lm_head, RowInt8Linear)               # Q6_K in the file
+    assert isinstance(m.lm_head, Q6KLinear)                   # Q6_K in the file, kept
+    assert torch.equal(m.lm_head.weight(), ck.get("lm_head.weight"))
     row = list(range(1000, 1012))
     alone = _last_logits(m, [row])[0]
     assert torch.equal(_last_logits(m, [row, list(range(2000, 2030)), [3, 4, 5]])[0], alone)

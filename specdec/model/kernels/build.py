@@ -86,3 +86,18 @@ def load(name: str) -> None:
               file=sys.stderr, flush=True)
 
 
+@functools.cache
+def kquant():
+    """torch.ops.specdec_kquant (the Q4_K and Q6_K linears), built for this CPU on first use
+    (KernelUnavailable if it cannot be)."""
+    load("kquant_linear")
+    return torch.ops.specdec_kquant
+
+
+def kquant_available() -> bool:
+    """The kernels built here, in their SIMD form (AVX512-VNNI): elsewhere their scalar form
+    is correct but slower than FBGEMM's int8, so the formats stand back."""
+    try:
+        return bool(kquant().simd())
+    except KernelUnavailable:
+        return False

@@ -1,0 +1,145 @@
+"""GGUF's 6-bit K-quant blocks (Q6_K), kept as the file stores them and run by our kernel.
+
+A Q4_K_M file keeps its most sensitive tensors in Q6_K (the output projection, half of the
+v and down projections): 256-weight blocks with an fp16 d and sixteen 16-weight sub-blocks
+with an int8 scale each, weight = d * scale * (q - 32), q in 0..63 (6.56 bits a weight).
+Under `q4k` they run through the same kernel as the Q4_K tensors (kernels/kquant_linear.cpp,
+llama.cpp's Q6_K x Q8_K arithmetic): the file's very values, fewer bytes than int8 (the
+output projection alone is 15% of a step's reads) and one pass instead of int8's two levels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from specdec.model import opaque_op
+from specdec.model.linear import Linear
+from specdec.model.q4k import QK, TILE
+
+BLOB = 3360       # packed bytes per (tile, block): see kernels/kquant_linear.cpp
+Q6_K_BYTES = 210  # bytes of one GGUF Q6_K block
+
+
+@dataclasses.dataclass
+class Q6KBlocks:
+    """A weight [N, K] in Q6_K blocks, unpacked: d [N, nb] float32 (fp16 values); scales
+    [N, nb, 16] int8; q [N, nb, 256] uint8 (6 bits, the stored value: weight ~ q - 32)."""
+
+    d: torch.Tensor
+    scales: torch.Tensor
+    q: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.q.shape[1] * QK
+
+    def dequantize(self) -> torch.Tensor:
+        n, nb = self.d.shape
+        scale = (self.d.unsqueeze(-1) * self.scales.float()).unsqueeze(-1)   # [N, nb, 16, 1]
+        q = self.q.reshape(n, nb, 16, 16).to(torch.int8) - 32
+        return (scale * q.float()).reshape(n, nb * QK)
+
+    def rows(self, start: int, stop: int) -> Q6KBlocks:
+        return Q6KBlocks(*(getattr(self, f.name)[start:stop] for f in dataclasses.fields(self)))
+
+    @staticmethod
+    def cat(parts: list[Q6KBlocks]) -> Q6KBlocks:
+        return Q6KBlocks(*(torch.cat([getattr(p, f.name) for p in parts])
+                           for f in dataclasses.fields(Q6KBlocks)))
+
+
+def from_gguf(raw: torch.Tensor) -> Q6KBlocks:
+    """GGUF Q6_K bytes, [N, nb * 210] uint8 -> the blocks (ggml-quants.c's layout: per block
+    128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, an fp16 d)."""
+    n = raw.shape[0]
+    b = raw.reshape(-1, Q6_K_BYTES)
+    ql = b[:, :128].reshape(-1, 2, 1, 64)
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32)
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(-1, 2, 4, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+    high = (qh >> shifts) & 0x03
+    q = (low | (high << 4)).reshape(n, -1, QK)
+    nb = q.shape[1]
+    scales = b[:, 192:208].contiguous().view(torch.int8).reshape(n, nb, 16)
+    d = b[:, 208:210].contiguous().view(torch.float16).float().reshape(n, nb)
+    return Q6KBlocks(d, scales, q)
+
+
+def pack(blocks: Q6KBlocks) -> torch.Tensor:
+    """The kernel's layout: [tiles, nb, 3360] uint8, 16 output channels to a tile (the last
+    padded with zero weights: scale 0)."""
+    n, nb = blocks.d.shape
+    tiles = -(-n // TILE)
+    pad = tiles * TILE - n
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+    # column 32j + 16h + 4p + i -> [j][h][p][i]
+    q = padded(blocks.q).reshape(tiles, TILE, nb, 8, 2, 4, 4)
+    low = q & 0x0F
+    byte = low[:, :, :, :, 0] | (low[:, :, :, :, 1] << 4)                 # [T, c, nb, j, p, i]
+    qs = byte.permute(0, 2, 3, 4, 1, 5).reshape(tiles, nb, 2048)          # [T, nb, j, p, c, i]
+    high = q >> 4                                                          # [T, c, nb, j, h, p, i]
+    hbyte = high[:, :, :, :, :, 0] | (high[:, :, :, :, :, 1] << 2) | \
+        (high[:, :, :, :, :, 2] << 4) | (high[:, :, :, :, :, 3] << 6)     # [T, c, nb, j, h, i]
+    qh = hbyte.permute(0, 2, 3, 4, 1, 5).reshape(tiles, nb, 1024)          # [T, nb, j, h, c, i]
+    sc = padded(blocks.scales).reshape(tiles, TILE, nb, 16).permute(0, 2, 3, 1)
+    sc = sc.contiguous().view(torch.uint8).reshape(tiles, nb, 256)
+    d = padded(blocks.d).half().reshape(tiles, TILE, nb).permute(0, 2, 1).contiguous()
+    return torch.cat([qs, qh, sc, d.view(torch.uint8)], dim=2).contiguous()
+
+
+def unpack(packed: torch.Tensor, n: int) -> Q6KBlocks:
+    """The inverse of pack (the first n output channels)."""
+    tiles, nb, _ = packed.shape
+    qs = packed[:, :, :2048].reshape(tiles, nb, 8, 4, TILE, 4).permute(0, 4, 1, 2, 3, 5)
+    low = torch.stack([qs & 0x0F, qs >> 4], dim=4)                         # [T, c, nb, j, h, p, i]
+    qh = packed[:, :, 2048:3072].reshape(tiles, nb, 8, 2, TILE, 4).permute(0, 4, 1, 2, 3, 5)
+    high = torch.stack([(qh >> (2 * p)) & 0x03 for p in range(4)], dim=5)  # [T, c, nb, j, h, p, i]
+    q = (low | (high << 4)).reshape(tiles * TILE, nb, QK)[:n]
+    sc = packed[:, :, 3072:3328].contiguous().view(torch.int8).reshape(tiles, nb, 16, TILE)
+    sc = sc.permute(0, 3, 1, 2).reshape(tiles * TILE, nb, 16)[:n]
+    d = packed[:, :, 3328:3360].contiguous().view(torch.float16).float()  # [T, nb, 16]
+    d = d.permute(0, 2, 1).reshape(tiles * TILE, nb)[:n]
+    return Q6KBlocks(d, sc, q)
+
+
+class Q6KLinear(Linear):
+    """y = x W^T + b with W in Q6_K blocks; fp32 in and out."""
+
+    def __init__(self, blocks: Q6KBlocks, bias: torch.Tensor | None = None) -> None:
+        from specdec.model.kernels.build import kquant
+
+        self.ops = kquant()
+        self.out_features, self.in_features = blocks.shape
+        self.packed = pack(blocks)
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.handle = opaque_op.register(self)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return opaque_op.call(self, x)
+
+    def eager(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        y = self.ops.q6k(x, self.packed, self.out_features, self.bias)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        b = 0 if self.bias is None else 4 * self.bias.numel()
+        return self.packed.numel() + b
+
+    def blocks(self) -> Q6KBlocks:
+        return unpack(self.packed, self.out_features)
+
+    def weight(self) -> torch.Tensor:
+        return self.blocks().dequantize()
+
+    def first_rows(self, n: int) -> Q6KLinear:
+        return Q6KLinear(self.blocks().rows(0, n), None if self.bias is None else self.bias[:n])
