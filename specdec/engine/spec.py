@@ -60,8 +60,8 @@ class ModelGroupConfig(BaseModel):
     tp: int = Field(1, ge=1, le=64, description="Tensor-parallel ranks, one Ray actor each "
                     "(gloo on CPU, NCCL on GPU).")
     dtype: WeightFormatName = Field("auto", description=(
-        "Weight format. q4k: a GGUF file's Q4_K tensors in their 4-bit blocks, through "
-        "our int8-activation kernel (built on first use), other tensors as int8 "
+        "Weight format. q4k: a GGUF file's Q4_K and Q6_K tensors in their own blocks, "
+        "through our int8-activation kernel (built on first use), other tensors as int8 "
         "(batch-invariant; the CPU target default). int8: int8 weights, per-row two-level "
         "int8 activations (batch-invariant). int4: every projection in Q4_K blocks through "
         "the same kernel, rounded from whatever the file stores (the smallest; for drafts). "

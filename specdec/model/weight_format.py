@@ -18,11 +18,11 @@ how fast a small-M matmul reads the weights (benchmarks/RESULTS.md has the figur
   bit-identical alone and inside any batch, so a target may use it. "int8" adds a second
   int8 level per row for its rounding error, to stay as close to the checkpoint as
   llama.cpp's own arithmetic (int8_linear.py).
-- "q4k" keeps what a GGUF file stores as Q4_K in its very 4-bit blocks and runs it with our
-  own kernel (q4k.py: int8 activations per 256 columns of a row, integer dot products, so
-  batch-independent too): 4.6 bits read a weight against int8's 8, the bytes a CPU decode
-  step is bound by. Tensors the file stores in more bits (Q5/Q6/Q8) keep them as `int8`;
-  float weights are quantized to Q4_K blocks. It is the CPU target's default.
+- "q4k" keeps what a GGUF file stores as Q4_K or Q6_K in its very blocks and runs them with
+  our own kernel (q4k.py, q6k.py: int8 activations per 256 columns of a row, integer dot
+  products, so batch-independent too): 4.6 and 6.6 bits read a weight against int8's 8, the
+  bytes a CPU decode step is bound by. Tensors in other quantized types (Q5, Q8) run as
+  `int8`; float weights are quantized to Q4_K blocks. It is the CPU target's default.
 - "int4": every projection in Q4_K blocks through the same kernel, whatever the file stores
   (Q5/Q6/Q8 tensors rounded to 4 bits, partial blocks zero-padded): the fewest bytes, and
   further from the file, so for drafts: a draft's rounding moves acceptance, never exactness.
