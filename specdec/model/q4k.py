@@ -15,8 +15,7 @@ import dataclasses
 
 import torch
 
-from specdec.model import opaque_op
-from specdec.model.linear import Linear
+from specdec.model.kquant_linear import KQuantLinear
 
 QK = 256         # weights per block
 TILE = 16        # output channels per SIMD tile
@@ -155,43 +154,16 @@ def unpack(packed: torch.Tensor, n: int) -> Q4KBlocks:
                      sc.reshape(tiles * TILE, nb, 8)[:n], mn.reshape(tiles * TILE, nb, 8)[:n], q)
 
 
-class Q4KLinear(Linear):
+class Q4KLinear(KQuantLinear):
     """y = x W^T + b with W in Q4_K blocks; fp32 in and out."""
+
+    op = "q4k"
 
     def __init__(self, blocks: Q4KBlocks, bias: torch.Tensor | None = None,
                  in_features: int | None = None) -> None:
-        from specdec.model.kernels.build import kquant
-
-        self.ops = kquant()
-        self.out_features, padded = blocks.shape
-        # The input width, where the blocks end in zero padding (quantize's partial block).
-        self.in_features = in_features or padded
-        self.packed = pack(blocks)
-        self.bias = None if bias is None else bias.float().contiguous()
-        self.handle = opaque_op.register(self)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return opaque_op.call(self, x)
-
-    def eager(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            x = x.float().contiguous()
-        y = self.ops.q4k(x, self.packed, self.out_features, self.bias)
-        return y.reshape(*shape[:-1], self.out_features)
-
-    @property
-    def nbytes(self) -> int:
-        b = 0 if self.bias is None else 4 * self.bias.numel()
-        return self.packed.numel() + b
+        # in_features: the input width, where the blocks end in zero padding (quantize's
+        # partial block).
+        super().__init__(pack(blocks), blocks.shape[0], in_features or blocks.shape[1], bias)
 
     def blocks(self) -> Q4KBlocks:
         return unpack(self.packed, self.out_features)
-
-    def weight(self) -> torch.Tensor:
-        return self.blocks().dequantize()[:, :self.in_features]
-
-    def first_rows(self, n: int) -> Q4KLinear:
-        return Q4KLinear(self.blocks().rows(0, n), None if self.bias is None else self.bias[:n],
-                         self.in_features)

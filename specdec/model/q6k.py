@@ -14,8 +14,7 @@ import dataclasses
 
 import torch
 
-from specdec.model import opaque_op
-from specdec.model.linear import Linear
+from specdec.model.kquant_linear import KQuantLinear
 from specdec.model.q4k import QK, TILE
 
 BLOB = 3360       # packed bytes per (tile, block): see kernels/kquant_linear.cpp
@@ -107,39 +106,14 @@ def unpack(packed: torch.Tensor, n: int) -> Q6KBlocks:
     return Q6KBlocks(d, sc, q)
 
 
-class Q6KLinear(Linear):
+class Q6KLinear(KQuantLinear):
     """y = x W^T + b with W in Q6_K blocks; fp32 in and out."""
 
-    def __init__(self, blocks: Q6KBlocks, bias: torch.Tensor | None = None) -> None:
-        from specdec.model.kernels.build import kquant
+    op = "q6k"
 
-        self.ops = kquant()
-        self.out_features, self.in_features = blocks.shape
-        self.packed = pack(blocks)
-        self.bias = None if bias is None else bias.float().contiguous()
-        self.handle = opaque_op.register(self)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return opaque_op.call(self, x)
-
-    def eager(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            x = x.float().contiguous()
-        y = self.ops.q6k(x, self.packed, self.out_features, self.bias)
-        return y.reshape(*shape[:-1], self.out_features)
-
-    @property
-    def nbytes(self) -> int:
-        b = 0 if self.bias is None else 4 * self.bias.numel()
-        return self.packed.numel() + b
+    def __init__(self, blocks: Q6KBlocks, bias: torch.Tensor | None = None,
+                 in_features: int | None = None) -> None:
+        super().__init__(pack(blocks), blocks.shape[0], in_features or blocks.shape[1], bias)
 
     def blocks(self) -> Q6KBlocks:
         return unpack(self.packed, self.out_features)
-
-    def weight(self) -> torch.Tensor:
-        return self.blocks().dequantize()
-
-    def first_rows(self, n: int) -> Q6KLinear:
-        return Q6KLinear(self.blocks().rows(0, n), None if self.bias is None else self.bias[:n])

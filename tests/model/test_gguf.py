@@ -64,9 +64,11 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def write_gguf(src, dest, arch: str, qtypes: dict[str, Q]) -> None:
+def write_gguf(src, dest, arch: str, qtypes: dict[str, Q], encoders=None) -> None:
     """A checkpoint written to GGUF the way llama.cpp's converter lays it out. qtypes: the
-    GGUF type per tensor-name suffix (default F32)."""
+    GGUF type per tensor-name suffix (default F32). encoders: per tensor-name suffix, a
+    function of the float tensor giving (its bytes, their type), for the block types the
+    `gguf` package cannot quantize (Q4_K, Q6_K); checked first."""
     import gguf
     from safetensors.torch import load_file
 
@@ -90,8 +92,13 @@ def write_gguf(src, dest, arch: str, qtypes: dict[str, Q]) -> None:
         if arch == "llama" and "k_proj" in name:
             a = _permute(a, cfg.num_kv_heads)
         gname = _hf_to_gguf(name)
+        encode = next((e for suffix, e in (encoders or {}).items() if gname.endswith(suffix)),
+                      None)
         qtype = next((q for suffix, q in qtypes.items() if gname.endswith(suffix)), Q.F32)
-        if qtype == Q.F32 or a.ndim == 1:
+        if encode is not None and a.ndim > 1:
+            raw, qtype = encode(torch.from_numpy(a))
+            w.add_tensor(gname, raw, raw_dtype=qtype)
+        elif qtype == Q.F32 or a.ndim == 1:
             w.add_tensor(gname, a)
         elif qtype == Q.F16:
             w.add_tensor(gname, a.astype(np.float16))

@@ -74,7 +74,7 @@ def test_the_kernel_gives_its_reference_and_tracks_float_arithmetic():
     lin = q4k.Q4KLinear(blocks, bias)
     x = torch.randn(11, 512) * torch.linspace(0.01, 10, 11)[:, None]
     y = lin(x)
-    assert torch.equal(y, lin.ops.q4k_reference(x, lin.packed, 45, lin.bias))
+    assert torch.equal(y, lin.reference(x))
     w = blocks.dequantize().double()
     exact = (quantized_activations(x) @ w.T + bias.double()).float()
     torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-5)
@@ -145,48 +145,22 @@ def q4k_pair(tmp_path_factory):
     """(a tiny Qwen2 as a GGUF, its float checkpoint). The GGUF's projections are Q4_K, except
     v (Q6_K in layer 0, kept as such; Q8_0 in layer 1, kept as int8, as is the output) and o
     (F16: quantized to Q4_K here)."""
-    import gguf
     from conftest import make_tiny_checkpoint
-    from gguf.quants import quantize as gguf_quantize
-    from safetensors.torch import load_file
-    from test_gguf import _hf_to_gguf
+    from test_gguf import write_gguf
     from test_q6k import quantize_q6k
     from test_q6k import to_gguf_bytes as q6k_bytes
-
-    from specdec.model.config import DecoderConfig
 
     src = make_tiny_checkpoint(tmp_path_factory.mktemp("q4k-src"), "qwen2", hidden_size=256,
                                intermediate_size=512, num_attention_heads=4,
                                num_key_value_heads=2)
-    cfg = DecoderConfig.from_checkpoint(src)
     dest = tmp_path_factory.mktemp("q4k-gguf") / "tiny-q4k.gguf"
-    w = gguf.GGUFWriter(str(dest), "qwen2")
-    w.add_block_count(cfg.num_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_eos_token_id(2)
-    for name, t in load_file(str(src / "model.safetensors")).items():
-        a, gname = t.float().numpy(), _hf_to_gguf(name)
-        if a.ndim == 1 or gname in ("token_embd.weight",):
-            w.add_tensor(gname, a)
-        elif gname == "blk.0.attn_v.weight":
-            w.add_tensor(gname, q6k_bytes(quantize_q6k(t.float())), raw_dtype=Q.Q6_K)
-        elif gname.endswith("attn_v.weight") or gname == "output.weight":
-            w.add_tensor(gname, gguf_quantize(a, Q.Q8_0), raw_dtype=Q.Q8_0)
-        elif gname.endswith("attn_output.weight"):
-            w.add_tensor(gname, a.astype(np.float16))
-        else:
-            w.add_tensor(gname, to_gguf_bytes(q4k.quantize(t.float())), raw_dtype=Q.Q4_K)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    q4 = (lambda t: (to_gguf_bytes(q4k.quantize(t)), Q.Q4_K))  # noqa: E731
+    write_gguf(src, dest, "qwen2",
+               # attn_output before output: the first suffix that matches decides
+               {"attn_output.weight": Q.F16, "attn_v.weight": Q.Q8_0, "output.weight": Q.Q8_0},
+               {"blk.0.attn_v.weight": lambda t: (q6k_bytes(quantize_q6k(t)), Q.Q6_K),
+                "attn_q.weight": q4, "attn_k.weight": q4, "ffn_gate.weight": q4,
+                "ffn_up.weight": q4, "ffn_down.weight": q4})
     return dest, src
 
 
