@@ -161,7 +161,7 @@ class GGUFCheckpoint:
         return key, t, shape, raw
 
     def q4k_source(self, name: str, rows: range | None = None, cols: range | None = None):
-        """What the q4k format keeps of a weight (specdec.model.weight_format.q4k_kind): its
+        """What the q4k format keeps of a weight (specdec.model.kquant_choice.kind): its
         Q4_K or Q6_K blocks (the rows and whole blocks of columns asked for), "int8" for a
         tensor stored in another quantized type, or None for float storage (F32/F16/BF16)."""
         from specdec.model import q4k, q6k

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.model import kquant_choice
 from specdec.model.int8_linear import DynamicInt8Linear, RowInt8Linear
 from specdec.model.linear import DenseLinear, Linear, PackedFp16Linear
 
@@ -74,7 +75,7 @@ class WeightFormat:
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         if self.q4k:
-            return q4k_or_int8(weight, bias, self.q4k_all)
+            return kquant_choice.linear(weight, bias, self.q4k_all)
         if self.int8:
             return RowInt8Linear(weight, bias, self.levels) if self.per_row else \
                 DynamicInt8Linear(weight, bias)
@@ -84,92 +85,11 @@ class WeightFormat:
         return DenseLinear(w, None if bias is None else bias.to(self.act_dtype))
 
     def linear_rows(self, parts: list[torch.Tensor], bias: torch.Tensor | None = None) -> Linear:
-        """One linear over weights stacked by rows (q|k|v, gate|up). Under q4k, parts the
-        file stores differently (a Q6_K v beside Q4_K q and k) each keep their own storage,
-        and their outputs are joined."""
-        if not self.q4k:
-            return self.linear(torch.cat(parts), bias)
-        groups: list[list[torch.Tensor]] = []
-        for p in parts:
-            if groups and q4k_kind(p, self.q4k_all) == q4k_kind(groups[-1][0], self.q4k_all):
-                groups[-1].append(p)
-            else:
-                groups.append([p])
-        linears, start = [], 0
-        for g in groups:
-            rows = sum(p.shape[0] for p in g)
-            b = None if bias is None else bias[start:start + rows]
-            linears.append(q4k_or_int8(_cat_with_source(g), b, self.q4k_all))
-            start += rows
-        return linears[0] if len(linears) == 1 else RowStackedLinear(linears)
-
-
-def q4k_kind(weight: torch.Tensor, everything: bool = False) -> str:
-    """How the q4k format stores a weight: "blocks" / "blocks6" (the file's Q4_K / Q6_K
-    blocks), "int8" (another quantized type, or columns that are not whole blocks) or
-    "quantize" (float weights, quantized to Q4_K here). everything (int4): "blocks" or
-    "quantize", whatever the file stores, where the columns come in 32s."""
-    from specdec.model.q4k import QK, Q4KBlocks
-    from specdec.model.q6k import Q6KBlocks
-
-    source = getattr(weight, "q4k_source", None)
-    if isinstance(source, Q4KBlocks):
-        return "blocks"
-    if isinstance(source, Q6KBlocks) and not everything:
-        return "blocks6"
-    if everything:
-        return "int8" if weight.shape[1] % 32 else "quantize"
-    if source == "int8" or weight.shape[1] % QK:
-        return "int8"
-    return "quantize"
-
-
-def _cat_with_source(parts: list[torch.Tensor]) -> torch.Tensor:
-    from specdec.model.q4k import Q4KBlocks
-    from specdec.model.q6k import Q6KBlocks
-
-    if len(parts) == 1:
-        return parts[0]
-    out = torch.cat(parts)
-    sources = [getattr(p, "q4k_source", None) for p in parts]
-    for kind in (Q4KBlocks, Q6KBlocks):
-        if all(isinstance(s, kind) for s in sources):
-            out.q4k_source = kind.cat(sources)
-    if sources[0] == "int8":
-        out.q4k_source = "int8"
-    return out
-
-
-def q4k_or_int8(weight: torch.Tensor, bias: torch.Tensor | None,
-                everything: bool = False) -> Linear:
-    from specdec.model.q4k import Q4KLinear, quantize
-    from specdec.model.q6k import Q6KLinear
-
-    kind = q4k_kind(weight, everything)
-    if kind == "blocks":
-        return Q4KLinear(weight.q4k_source, bias)
-    if kind == "blocks6":
-        return Q6KLinear(weight.q4k_source, bias)
-    if kind == "quantize":
-        return Q4KLinear(quantize(weight), bias, weight.shape[1])
-    return RowInt8Linear(weight, bias, 2)
-
-
-class RowStackedLinear(Linear):
-    """Linears over consecutive row ranges of one weight, outputs joined: each part in its
-    own storage."""
-
-    def __init__(self, parts: list[Linear]) -> None:
-        self.parts = parts
-        self.in_features = parts[0].in_features
-        self.out_features = sum(p.out_features for p in parts)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p(x) for p in self.parts], dim=-1)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
+        """One linear over weights stacked by rows (q|k|v, gate|up). Under q4k/int4, parts the
+        file stores differently (a Q6_K v beside Q4_K q and k) each keep their own storage."""
+        if self.q4k:
+            return kquant_choice.linear_rows(parts, bias, self.q4k_all)
+        return self.linear(torch.cat(parts), bias)
 
 
 @functools.lru_cache(maxsize=1)

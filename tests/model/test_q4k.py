@@ -21,8 +21,9 @@ from specdec.model import q4k
 from specdec.model.decoder import BatchInput, Decoder
 from specdec.model.generate import plain_generate
 from specdec.model.int8_linear import RowInt8Linear
+from specdec.model.kquant_choice import RowStackedLinear
 from specdec.model.q6k import Q6KLinear
-from specdec.model.weight_format import RowStackedLinear, fbgemm_available, resolve_format
+from specdec.model.weight_format import fbgemm_available, resolve_format
 from specdec.spec_decode.proposers import DraftModelProposer
 from specdec.spec_decode.target_runner import LocalTargetRunner
 
