@@ -29,7 +29,8 @@ def scenario_logits(model, cache, seqs: list[list[int]], argmax: bool = False
 
 
 def run_rank(rank: int, world: int, port: int, ckpt: str, seqs, result_path: str,
-             vocab_limit: int | None = None, step: str = "eager") -> None:
+             vocab_limit: int | None = None, step: str = "eager",
+             dtype: str = "float32") -> None:
     """Entry point of one spawned process: build the shard, lead or follow. step: how
     every rank runs its forwards (specdec/model/static_step.py)."""
     from specdec.model.decoder import Decoder
@@ -39,7 +40,7 @@ def run_rank(rank: int, world: int, port: int, ckpt: str, seqs, result_path: str
 
     torch.set_num_threads(1)
     group = Group(rank, world, f"tcp://127.0.0.1:{port}", "cpu", timeout_s=60)
-    local = Decoder.from_checkpoint(ckpt, torch.float32, shard=ShardSpec(rank, world),
+    local = Decoder.from_checkpoint(ckpt, dtype, shard=ShardSpec(rank, world),
                                     vocab_limit=vocab_limit)
     group.attach(local)
     local = with_step(local, step)

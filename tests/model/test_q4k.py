@@ -247,3 +247,31 @@ def test_the_pack_target_in_q4k_keeps_its_file_blocks_and_is_batch_independent(q
     row = list(range(1000, 1012))
     alone = _last_logits(m, [row])[0]
     assert torch.equal(_last_logits(m, [row, list(range(2000, 2030)), [3, 4, 5]])[0], alone)
+
+
+def test_q4k_under_tensor_parallelism_tracks_one_process(q4k_gguf, tmp_path):
+    """TP=2 over gloo: each rank keeps the blocks of its rows, and of its columns where they
+    are whole 256-blocks (down: 256 of 512), int8 where a slice cuts a block (o: 128 of 256).
+    Activations are quantized per rank's slice, so the ranks' logits are not one process's
+    bit for bit; they must be as close to the file's fp32 arithmetic as one process is (a
+    tiny random model amplifies every rounding: see the loader test)."""
+    import torch.multiprocessing as mp
+    from tp_scenarios import run_rank, scenario_logits
+
+    from specdec.ports import free_port
+
+    seqs = [[3, 17, 45, 9, 22, 61, 8, 30, 12], [50, 4, 77, 13, 29, 6, 41], [90, 15, 33, 70, 2]]
+    port, result = free_port(), tmp_path / "tp2.pt"
+    mp.start_processes(run_rank, args=(2, port, str(q4k_gguf), seqs, str(result), None,
+                                       "eager", "q4k"),
+                       nprocs=2, join=True, start_method="spawn")
+    got = torch.load(result)
+    one = Decoder.from_checkpoint(q4k_gguf, "q4k")
+    ref = Decoder.from_checkpoint(q4k_gguf, "float32")
+    alone = scenario_logits(one, one.new_cache(4, 128), seqs)
+    for mode, want in scenario_logits(ref, ref.new_cache(4, 128), seqs).items():
+        def err(x):
+            return ((x - want).norm(dim=-1) / want.norm(dim=-1)).median()  # noqa: B023
+        assert err(got[mode]) < 1.5 * err(alone[mode]) + 0.02, (mode, err(got[mode]))
+        assert (got[mode].argmax(-1) == want.argmax(-1)).float().mean() >= 0.75, mode
+
