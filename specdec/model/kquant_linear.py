@@ -10,18 +10,22 @@ from specdec.model.linear import Linear
 
 
 class KQuantLinear(Linear):
-    """y = x W^T + b, W packed for the kernel op `op` (specdec_kquant.<op>); fp32 in and
-    out. in_features may be narrower than the blocks (a partial last block, zero-padded)."""
+    """y = x W^T + b, W packed for the kernel op `op` (specdec_kquant.<op>) by `pack`; fp32
+    in and out. in_features may be narrower than the blocks (a partial last block)."""
 
     op = ""
+    pack = staticmethod(lambda blocks: NotImplemented)        # blocks -> the kernel's layout
+    unpack = staticmethod(lambda packed, n: NotImplemented)   # and back (the first n rows)
 
-    def __init__(self, packed: torch.Tensor, out_features: int, in_features: int,
-                 bias: torch.Tensor | None) -> None:
+    def __init__(self, blocks, bias: torch.Tensor | None = None,
+                 in_features: int | None = None) -> None:
         from specdec.model.kernels.build import kquant
 
         self.kernel = getattr(kquant(), self.op)
-        self.packed = packed
-        self.out_features, self.in_features = out_features, in_features
+        self.packed = self.pack(blocks)
+        # in_features: the input width, where the blocks end in zero padding (a partial block).
+        self.out_features = blocks.shape[0]
+        self.in_features = in_features or blocks.shape[1]
         self.bias = None if bias is None else bias.float().contiguous()
         self.handle = opaque_op.register(self)
 
@@ -52,7 +56,7 @@ class KQuantLinear(Linear):
         return self.blocks().dequantize()[:, :self.in_features]
 
     def blocks(self):
-        raise NotImplementedError
+        return self.unpack(self.packed, self.out_features)
 
     def first_rows(self, n: int) -> KQuantLinear:
         return type(self)(self.blocks().rows(0, n),

@@ -158,12 +158,5 @@ class Q4KLinear(KQuantLinear):
     """y = x W^T + b with W in Q4_K blocks; fp32 in and out."""
 
     op = "q4k"
-
-    def __init__(self, blocks: Q4KBlocks, bias: torch.Tensor | None = None,
-                 in_features: int | None = None) -> None:
-        # in_features: the input width, where the blocks end in zero padding (quantize's
-        # partial block).
-        super().__init__(pack(blocks), blocks.shape[0], in_features or blocks.shape[1], bias)
-
-    def blocks(self) -> Q4KBlocks:
-        return unpack(self.packed, self.out_features)
+    pack = staticmethod(pack)
+    unpack = staticmethod(unpack)

@@ -110,10 +110,5 @@ class Q6KLinear(KQuantLinear):
     """y = x W^T + b with W in Q6_K blocks; fp32 in and out."""
 
     op = "q6k"
-
-    def __init__(self, blocks: Q6KBlocks, bias: torch.Tensor | None = None,
-                 in_features: int | None = None) -> None:
-        super().__init__(pack(blocks), blocks.shape[0], in_features or blocks.shape[1], bias)
-
-    def blocks(self) -> Q6KBlocks:
-        return unpack(self.packed, self.out_features)
+    pack = staticmethod(pack)
+    unpack = staticmethod(unpack)
