@@ -123,9 +123,14 @@ class Decoder:
             return ck.get(name, dtype=dtype, **kw).to(device).contiguous()
 
         def weight(name, **kw):  # full precision until the format stores it
-            w = ck.get(name, **kw).to(device)
-            if fmt.q4k and hasattr(ck, "q4k_source"):  # the file's own 4-bit blocks
-                w.q4k_source = ck.q4k_source(name, **kw)
+            source = ck.q4k_source(name, **kw) if fmt.q4k and hasattr(ck, "q4k_source") \
+                else None
+            if source is None or isinstance(source, str):
+                w = ck.get(name, **kw).to(device)
+            else:  # the file's own blocks: never dequantized, a shape carries them
+                w = torch.empty(source.shape, device="meta")
+            if fmt.q4k:
+                w.q4k_source = source
             return w
 
         def layer(i: int) -> Layer:

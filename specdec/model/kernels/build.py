@@ -3,7 +3,7 @@
 The kernels are built for the CPU they run on (`-march=native`: AVX512-VNNI where it exists),
 so the build is cached under a key of the source, the torch version and the CPU's flags: a
 cache shared by different machines never loads a binary built for another CPU. The first
-build takes about half a minute (torch's headers); later loads take milliseconds. Ranks
+build takes 10-20 s (torch's headers); later loads take milliseconds. Ranks
 starting together build once: torch's build directory lock makes the others wait.
 
 Where no compiler is found the build fails with KernelUnavailable and the caller falls back
@@ -69,7 +69,7 @@ def load(name: str) -> None:
 
     built = any(build_dir.glob(f"{name}*.so"))
     if not built:
-        print(f"specdec: building the {name} kernel for this CPU (once, ~30 s) in {build_dir}",
+        print(f"specdec: building the {name} kernel for this CPU (once, ~15 s) in {build_dir}",
               file=sys.stderr, flush=True)
     t = time.monotonic()
     try:
