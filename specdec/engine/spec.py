@@ -82,7 +82,7 @@ class ModelGroupConfig(BaseModel):
         "A one-rank draft that is not eager runs each round as one loop (its k guesses "
         "picked on the device, one copy to the host; a graph per rows x keys x k), except "
         "while overlapped with the target or for rows with top_k/top_p. "
-        "Prefill chunks and batch-invariant formats (int8, w8a8, q4k, int4) always run eager."))
+        "Prefill chunks and batch-invariant formats (int8, w8a8, q4k) always run eager."))
 
     def threads_per_rank(self) -> int:
         return self.threads or max(1, math.floor(self.resources.num_cpus))
