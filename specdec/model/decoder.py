@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdec.model import kquant_choice
 from specdec.model.batch import BatchInput, logits_at
 from specdec.model.config import DecoderConfig
 from specdec.model.kv_cache import KVCache
@@ -125,10 +126,11 @@ class Decoder:
         def weight(name, **kw):  # full precision until the format stores it
             source = ck.q4k_source(name, **kw) if fmt.q4k and hasattr(ck, "q4k_source") \
                 else None
-            if source is None or isinstance(source, str):
-                w = ck.get(name, **kw).to(device)
-            else:  # the file's own blocks: never dequantized, a shape carries them
+            if kquant_choice.keeps_blocks(source, fmt.q4k_all):
+                # The file's own blocks run as they are: never dequantized, a shape carries them.
                 w = torch.empty(source.shape, device="meta")
+            else:
+                w = ck.get(name, **kw).to(device)
             if fmt.q4k:
                 w.q4k_source = source
             return w

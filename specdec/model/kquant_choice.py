@@ -17,6 +17,12 @@ from specdec.model.q4k import QK, Q4KBlocks, Q4KLinear, quantize
 from specdec.model.q6k import Q6KBlocks, Q6KLinear
 
 
+def keeps_blocks(source, everything: bool = False) -> bool:
+    """Whether a weight the file holds as `source` runs on those very blocks (so the loader
+    never needs its floats): Q4_K always, Q6_K except under int4 (which rounds it to 4 bits)."""
+    return isinstance(source, Q4KBlocks) or (isinstance(source, Q6KBlocks) and not everything)
+
+
 def kind(weight: torch.Tensor, everything: bool = False) -> str:
     """"blocks" / "blocks6" (the file's Q4_K / Q6_K blocks), "int8" (another quantized type,
     or columns that are not whole blocks) or "quantize" (floats, quantized to Q4_K here).

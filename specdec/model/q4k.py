@@ -54,12 +54,6 @@ class Q4KBlocks:
     def rows(self, start: int, stop: int) -> Q4KBlocks:
         return Q4KBlocks(*(getattr(self, f.name)[start:stop] for f in dataclasses.fields(self)))
 
-    def columns(self, start: int, stop: int) -> Q4KBlocks:
-        if start % QK or stop % QK:
-            raise ValueError(f"columns {start}:{stop} do not fall on {QK}-weight blocks")
-        a, b = start // QK, stop // QK
-        return Q4KBlocks(*(getattr(self, f.name)[:, a:b] for f in dataclasses.fields(self)))
-
     @staticmethod
     def cat(parts: list[Q4KBlocks]) -> Q4KBlocks:
         return Q4KBlocks(*(torch.cat([getattr(p, f.name) for p in parts])
@@ -112,15 +106,22 @@ def quantize(weight: torch.Tensor) -> Q4KBlocks:
                      q.to(torch.uint8).reshape(n, k // QK, QK))
 
 
+def pad_to_tiles(n: int):
+    """A function giving a tensor of n rows zero rows up to a whole number of tiles."""
+    pad = -n % TILE
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+    return padded
+
+
 def pack(blocks: Q4KBlocks) -> torch.Tensor:
     """The kernel's layout: [tiles, nb, 2368] uint8, output channels 16 to a tile (the last
     tile padded with zero weights)."""
     n, nb = blocks.d.shape
     tiles = -(-n // TILE)
-    pad = tiles * TILE - n
-
-    def padded(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+    padded = pad_to_tiles(n)
 
     # column 32j + 16h + 4p + i -> [j][h][p][i]; a byte holds h = 0 (low) and h = 1 (high).
     q = padded(blocks.q).reshape(tiles, TILE, nb, 8, 2, 4, 4)

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 from specdec.model.kquant_linear import KQuantLinear
-from specdec.model.q4k import QK, TILE
+from specdec.model.q4k import QK, TILE, pad_to_tiles
 
 BLOB = 3360       # packed bytes per (tile, block): see kernels/kquant_linear.cpp
 Q6_K_BYTES = 210  # bytes of one GGUF Q6_K block
@@ -71,10 +71,7 @@ def pack(blocks: Q6KBlocks) -> torch.Tensor:
     padded with zero weights: scale 0)."""
     n, nb = blocks.d.shape
     tiles = -(-n // TILE)
-    pad = tiles * TILE - n
-
-    def padded(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+    padded = pad_to_tiles(n)
 
     # column 32j + 16h + 4p + i -> [j][h][p][i]
     q = padded(blocks.q).reshape(tiles, TILE, nb, 8, 2, 4, 4)

@@ -195,6 +195,21 @@ def test_the_loader_keeps_the_files_blocks_and_more_bits_as_int8(q4k_gguf):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8
 
 
+def test_int4_rounds_the_files_q6k_to_4_bits_and_runs(q4k_gguf):
+    """The draft's format: layer 0's Q6_K v is re-quantized to Q4_K from its floats."""
+    from specdec.model.gguf_file import GGUFCheckpoint
+
+    m = Decoder.from_checkpoint(q4k_gguf, "int4")
+    qkv = m.layers[0].w["qkv"]   # q|k on the file's Q4_K blocks, v re-quantized
+    assert [type(p) for p in qkv.parts] == [q4k.Q4KLinear, q4k.Q4KLinear]
+    file_v = GGUFCheckpoint(q4k_gguf).get("model.layers.0.self_attn.v_proj.weight")
+    got_v = qkv.parts[1].weight()
+    assert (got_v - file_v).norm() / file_v.norm() < 0.12
+    seq = list(range(3, 30))
+    logits = m(BatchInput.build([(0, 0, seq)]), m.new_cache(1, 64))
+    assert torch.isfinite(logits).all()
+
+
 def _last_logits(model, seqs):
     cache = model.new_cache(len(seqs), 96)
     b = BatchInput.build([(i, 0, s) for i, s in enumerate(seqs)])
