@@ -110,6 +110,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--only", choices=["target", "draft"], default=None)
+    ap.add_argument("--no-mixed", action="store_true", help="only batches whose rows all "
+                    "bring the same number of tokens")
     ap.add_argument("--modes", nargs="+", choices=list(MODES),
                     default=[m for m in MODES if m != "captured"])
     ap.add_argument("--device", default="cpu")
@@ -123,7 +125,8 @@ def main() -> int:
     models = [(role, given[role] or name, args.dtype or dtype)
               for role, name, dtype in _models(spec) if args.only in (None, role)]
     shapes = [(n, q, mixed) for n in args.rows for q in args.query
-              for mixed in ((False, True) if n > 1 and q > 1 else (False,))]
+              for mixed in ((False, True) if n > 1 and q > 1 and not args.no_mixed
+                            else (False,))]
     modes_run = ["eager"] + [m for m in args.modes if m != "eager"]
     progress = Progress("static step", total=len(models) * len(shapes) * len(modes_run)
                         * args.rounds, unit=" rounds")

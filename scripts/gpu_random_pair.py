@@ -10,6 +10,15 @@ with the real pair on CPU (acceptance is a property of the two models, not of th
     python3 scripts/gpu_random_pair.py KIT OUT
 KIT holds qwen15/ and qwen05/ with each model's config.json, tokenizer and templates (no
 weights); random bf16 checkpoints are written under OUT.
+
+It also writes a "planted" pair (OUT/qwen15p, OUT/qwen05p): the same architectures, so the
+same step costs, with weights that make greedy decoding follow a fixed next-token map (every
+layer's output projections zeroed, so the residual stream stays the token's embedding, and
+the output rows set so the target's argmax after id t is sigma(t)); the draft follows the
+same map except on a random share 1 - ALPHA of the ids. A round then keeps each guess with
+probability ALPHA, independently, so speculative decoding on a GPU runs end to end at the
+acceptance the real pair reaches on CPU (SPECDEC_ALPHA, default 0.88: the real pair's on
+code prompts, benchmarks/RESULTS.md) instead of a random pair's chance agreement.
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ from specdec.model.batch import BatchInput
 from specdec.model.decoder import Decoder
 
 DEVICE = os.environ.get("SPECDEC_DEVICE", "cuda")  # cpu: a smoke run of this script
+ALPHA = float(os.environ.get("SPECDEC_ALPHA", "0.88"))
+PLANTED_IDS = 32768  # the map stays among the ids a draft with vocab_limit 32768 scores
 ROWS = [int(r) for r in os.environ.get("SPECDEC_ROWS", "1 4 8 16").split()]
 FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
          "chat_template.jinja")
@@ -44,6 +55,57 @@ def build(kit: Path, out: Path, name: str) -> Path:
         shutil.copy(kit / name / f, dst / f)
     del m
     return dst
+
+
+def _state(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def plant(src: Path, dst: Path, sigma: torch.Tensor, seed: int) -> Path:
+    """A copy of src whose greedy next token after id t is sigma[t % n] (see the docstring)."""
+    from safetensors.torch import save_file
+
+    sd = _state(src)
+    n = sigma.numel()
+    vocab, hidden = sd["model.embed_tokens.weight"].shape
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randn(n, hidden, generator=g)
+    e /= e.norm(dim=1, keepdim=True)
+    # After the final RMSNorm a unit row becomes sqrt(hidden) long: the planted logit is 16,
+    # every other about N(0, 0.4^2).
+    head = torch.zeros(vocab, hidden)
+    head[sigma] = e * (16.0 / hidden ** 0.5)
+    sd["model.embed_tokens.weight"] = e.repeat((vocab + n - 1) // n, 1)[:vocab]
+    sd["lm_head.weight"] = head
+    for name in sd:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            sd[name] = torch.zeros_like(sd[name])
+    sd = {k: v.to(torch.bfloat16).contiguous() for k, v in sd.items()}
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    for f in ("config.json", *FILES):
+        shutil.copy(src / f, dst / f)
+    return dst
+
+
+def planted_pair(target: Path, draft: Path, out: Path) -> tuple[Path, Path]:
+    g = torch.Generator().manual_seed(1)
+    sigma = torch.randperm(PLANTED_IDS, generator=g)
+    # The draft's map: sigma after a permutation that moves a share 1 - ALPHA of the ids
+    # (one cycle through them), so it guesses sigma(t) exactly where t was not moved.
+    moved = torch.randperm(PLANTED_IDS, generator=g)[: round((1 - ALPHA) * PLANTED_IDS)]
+    tau = torch.arange(PLANTED_IDS)
+    tau[moved] = moved.roll(1)
+    t = plant(target, out / "qwen15p", sigma, seed=2)
+    d = plant(draft, out / "qwen05p", sigma[tau], seed=3)
+    print(f"planted pair: acceptance {ALPHA} per guess ({len(moved)} of {PLANTED_IDS} ids "
+          "moved)")
+    return t, d
 
 
 def logits_check(path: Path) -> None:
@@ -122,7 +184,9 @@ def main() -> int:
     print(f"random checkpoints built in {time.perf_counter() - t:.1f} s")
     logits_check(target)
     logits_check(draft)
-    costs(target, draft)
+    planted_pair(target, draft, out)
+    if os.environ.get("SPECDEC_COSTS", "1") == "1":
+        costs(target, draft)
     return 0
 
 
