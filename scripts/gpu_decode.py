@@ -26,7 +26,7 @@ from specdec.policy.engine_policy import Overrides
 
 def _run(built, rid: str, ids: list[int], params: SamplingParams, wanted: Overrides):
     engine = built.engine
-    first = len(engine.history)
+    engine.history.clear()  # (a bounded deque: this request's steps are all it holds after)
     t = time.perf_counter()
     _, decision = built.submit(rid, ids, params, wanted)
     final = None
@@ -35,7 +35,7 @@ def _run(built, rid: str, ids: list[int], params: SamplingParams, wanted: Overri
             if out.finished:
                 final = out
     seconds = time.perf_counter() - t
-    steps = list(engine.history)[first:] if len(engine.history) > first else []
+    steps = list(engine.history)
     return final, seconds, decision, steps
 
 

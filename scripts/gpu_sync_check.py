@@ -57,6 +57,8 @@ def draft_waits(path: str) -> dict:
         draft.propose(inputs)  # the prefill
         draft.propose(inputs)  # captures the catch-up bucket and the loop
         out[f"draft round {label}"] = _waits(draft.propose, inputs)
+        for i in inputs:
+            draft.release(i.seq_id)
     assert draft._loop.loop_rounds >= 2, "the draft did not run its loop"
     return out
 
