@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specdec.engine.state import MAX_TOKENS_PER_STEP, MAX_WAITING
 from specdec.model.step_mode import StepMode
-from specdec.model.weight_format import BATCH_DEPENDENT, FORMATS
+from specdec.model.weight_format import DRAFT_ONLY, FORMATS
 from specdec.policy.settings import PolicySettings
 from specdec.spec_decode.proposers import DEFAULT_Q_TOP_M
 
@@ -188,11 +188,10 @@ class EngineSpec(BaseModel):
     def _check(self) -> EngineSpec:
         if self.ngram_min > self.ngram_max:
             raise ValueError("ngram_min must be <= ngram_max")
-        if self.target.dtype in BATCH_DEPENDENT:
+        if self.target.dtype in DRAFT_ONLY:
             raise ValueError(
-                f"target.dtype {self.target.dtype!r}: its rows' results depend on the other "
-                "rows of a batch, so greedy speculative output would not stay identical to "
-                "plain; it is for the draft only (use q4k, int8, float16, bfloat16 or auto here)")
+                f"target.dtype {self.target.dtype!r}: {DRAFT_ONLY[self.target.dtype]}; it is "
+                "for the draft only (use q4k, int8, float16, bfloat16 or auto here)")
         for role in ("target", "draft"):
             g = getattr(self, role)
             if g is None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.model import kquant_choice
+from specdec.model import kquant_choice, token_attention
 from specdec.model.batch import BatchInput, logits_at
 from specdec.model.config import DecoderConfig
 from specdec.model.kv_cache import KVCache
@@ -203,7 +203,7 @@ class Decoder:
             )
         n_kv = len(self.shard.kv_heads(self.cfg))
         return KVCache(self.cfg.num_layers, num_slots, max_len, n_kv, self.cfg.head_dim,
-                       self.dtype, self.device)
+                       self.format.kv_dtype, self.device)
 
     def _rotary_for(self, max_len: int) -> Rotary:
         if self._rotary is None or self._rotary.cos.shape[0] < max_len:
@@ -270,8 +270,8 @@ class Decoder:
         if plan.per_token is None:
             out = self._sdpa(i, layer, q, batch, plan, cache)
         else:
-            out = torch.cat([self._attend_one(i, layer, q[t], slot, n, cache)
-                             for t, (slot, n) in enumerate(plan.per_token)])
+            out = token_attention.attend(q, cache.k[i], cache.v[i], plan.slots, plan.n_keys,
+                                         plan.per_token, layer.kv_gather)
         out = self.all_reduce(layer.w["o"](out))
         return out if layer.w["o_b"] is None else out + layer.w["o_b"]
 
@@ -285,16 +285,6 @@ class Decoder:
             enable_gqa=layer.kv_gather is None and nq != nkv,
         )  # [B, Hq, Qmax, D]
         return plan.unpad(out).reshape(-1, nq * layer.head_dim)
-
-    def _attend_one(self, i: int, layer: Layer, q: torch.Tensor, slot: int, n_keys: int,
-                    cache: KVCache) -> torch.Tensor:
-        """One token's attention over the first n_keys of its slot: [1, heads * dim]."""
-        D, nq, nkv = layer.head_dim, layer.n_q, layer.n_kv
-        keys, values = self._keys_values(i, layer, cache, None, n_keys, slot)
-        out = F.scaled_dot_product_attention(
-            q.view(1, nq, 1, D), keys, values,
-            enable_gqa=layer.kv_gather is None and nq != nkv)
-        return out.reshape(1, nq * D)
 
     @staticmethod
     def _keys_values(i: int, layer: Layer, cache: KVCache, slots, n_keys: int,
@@ -314,13 +304,15 @@ class Decoder:
 
 class _PerTokenPlan:
     """Batch-invariant formats: (slot, keys it sees) for each token, attending alone (no
-    padded grid or mask to build)."""
+    padded grid or mask to build; specdec/model/token_attention.py)."""
 
     def __init__(self, batch: BatchInput) -> None:
         # From the host's own lists: reading the index tensors back would wait for the device.
         self.per_token = [(slot, start + j + 1) for slot, start, n in
                           zip(batch.slot_list, batch.starts, batch.query_lens, strict=True)
                           for j in range(n)]
+        pairs = torch.tensor(self.per_token, dtype=torch.long).view(-1, 2)
+        self.slots, self.n_keys = pairs[:, 0], pairs[:, 1]
 
 
 class _AttentionPlan:

@@ -34,8 +34,9 @@ class KVCache:
         return 2 * self.k.shape[0] * h * d * self.k.element_size()
 
     def write(self, layer: int, slot_of_token, pos_of_token, k, v) -> None:
-        self.k[layer, slot_of_token, pos_of_token] = k
-        self.v[layer, slot_of_token, pos_of_token] = v
+        # (Rounded to the cache's dtype here: an fp16 cache under fp32 activations.)
+        self.k[layer, slot_of_token, pos_of_token] = k.to(self.k.dtype)
+        self.v[layer, slot_of_token, pos_of_token] = v.to(self.v.dtype)
 
     def read(self, layer: int, slots, kv_len: int, single_slot: int | None):
         """Keys/values [B, kv_len, heads, dim] for the given slots (a view for one slot)."""

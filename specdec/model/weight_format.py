@@ -50,9 +50,18 @@ FORMATS = ("auto", "float32", "bfloat16", "float16", "int8", "w8a8", "int8-dynam
            "int4")
 
 
-# Formats whose row results depend on the other rows of a batch: never for a target.
-# (int4's kernel is batch-independent, but its tokens attend on a padded grid.)
-BATCH_DEPENDENT = frozenset({"int8-dynamic", "int4"})
+# Formats whose row results depend on the other rows of a batch.
+BATCH_DEPENDENT = frozenset({"int8-dynamic"})
+
+# Formats a target may not run in, and why. A target's rows must not depend on their batch
+# (greedy speculative output identical to plain in the format served) and it must stay as
+# close to its checkpoint as the peer's arithmetic of the same file (`bench formats`).
+DRAFT_ONLY = {
+    "int8-dynamic": "its rows' results depend on the other rows of a batch, so greedy "
+                    "speculative output would not stay identical to plain",
+    "int4": "it rounds every projection to 4 bits, whatever the file stores: further from "
+            "the checkpoint than a target may be",
+}
 
 
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -65,13 +74,22 @@ _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class WeightFormat:
     name: str                  # float32 | bfloat16 | float16
     weight_dtype: torch.dtype  # how weights are stored
-    act_dtype: torch.dtype     # activations, KV cache
+    act_dtype: torch.dtype     # activations (the KV cache: kv_dtype)
     packed: bool               # fp16 weights packed for FBGEMM (CPU)
     int8: bool = False         # int8 weights and activations (FBGEMM, CPU)
-    per_row: bool = False      # int8 activations scaled per row (batch-independent)
+    # Batch-independent rows: int8 activations scaled per row, every token attending alone
+    # (specdec/model/token_attention.py) over an fp16 cache.
+    per_row: bool = False
     levels: int = 2            # per-row int8 levels: 2 (int8) or 1 (w8a8)
     q4k: bool = False          # Q4_K blocks through our kernel, the rest as int8
     q4k_all: bool = False      # every projection in Q4_K blocks (int4)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV cache stores. The batch-invariant CPU formats keep K/V in fp16 (half
+        of fp32's bytes, llama.cpp's default), read by the token-attention kernel as they
+        are; the others in the activations' dtype, for SDPA."""
+        return torch.float16 if self.per_row else self.act_dtype
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         if self.q4k:
@@ -120,11 +138,10 @@ def resolve_format(name: str | torch.dtype, device: str | torch.device = "cpu") 
         from specdec.model.q4k import available
 
         if available():
-            # int4 is a draft's format: its tokens may attend on the padded grid (cheaper
-            # for a batch, and the static step's form); q4k attends per token, as int8.
+            # Both attend per token through the token-attention kernel (int4 too: at long
+            # contexts it is faster than the padded grid).
             return WeightFormat(name, torch.float16, torch.float32, packed=False, int8=True,
-                                per_row=name == "q4k", levels=2, q4k=True,
-                                q4k_all=name == "int4")
+                                per_row=True, levels=2, q4k=True, q4k_all=name == "int4")
         warnings.warn(f"dtype {name!r} needs its kernel, which did not build here (a C++ "
                       "compiler and torch's headers) or has no SIMD form for this CPU "
                       "(AVX512-VNNI); using 'int8'", stacklevel=2)

@@ -101,3 +101,11 @@ def kquant_available() -> bool:
         return bool(kquant().simd())
     except KernelUnavailable:
         return False
+
+
+@functools.cache
+def attention():
+    """torch.ops.specdec_attention (each token attending alone over its own slot), built for
+    this CPU on first use (KernelUnavailable if it cannot be)."""
+    load("token_attention")
+    return torch.ops.specdec_attention
