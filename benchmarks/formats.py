@@ -22,6 +22,7 @@ import torch
 from benchmarks.table import median, print_table, write_json
 from specdec.model.batch import BatchInput
 from specdec.model.decoder import Decoder
+from specdec.model.embedding import table_bytes
 from specdec.model.generate import plain_generate
 from specdec.model.sampling import SamplingParams
 from specdec.pack.tokenizer import load_tokenizer
@@ -110,7 +111,7 @@ def _ours(path, fmt: str, prompts, tokens: int, ref_model: Decoder) -> dict:
     row = compare(ref_own, prompts, gens, tops, own)
     plain_ms, verify_ms = step_costs(model)
     # A decode step reads every weight but the embedding table (only indexed).
-    read = model.weight_bytes() - model.embed.numel() * model.embed.element_size()
+    read = model.weight_bytes() - table_bytes(model.embed)
     row.update(contender=f"ours {fmt}", weights_GB=model.weight_bytes() / 1e9,
                read_GB=read / 1e9, GB_per_s=read / 1e9 / (plain_ms / 1e3),
                load_s=load_s, plain_ms=plain_ms, verify5_ms=verify_ms,

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from specdec.model import kquant_choice, token_attention
 from specdec.model.batch import BatchInput, logits_at
 from specdec.model.config import DecoderConfig
+from specdec.model.embedding import BlockEmbedding, table_bytes
+from specdec.model.heap import release_free_heap
 from specdec.model.kv_cache import KVCache
 from specdec.model.linear import Linear
 from specdec.model.sharding import ShardSpec
@@ -146,8 +148,12 @@ class Decoder:
         workers = max(1, min(4, torch.get_num_threads())) if device.type == "cpu" else 1
         with ThreadPoolExecutor(max_workers=workers) as pool:
             layers = list(pool.map(layer, range(cfg.num_layers)))
-        # The table is only indexed: stored as the weights are, cast per lookup.
-        embed = get("model.embed_tokens.weight", dtype=fmt.weight_dtype)
+        # The table is only indexed: the file's own blocks where the format is a CPU
+        # quantized one (rows dequantized per lookup), else stored as the weights are.
+        blocks = ck.block_table("model.embed_tokens.weight") \
+            if fmt.per_row and device.type == "cpu" and hasattr(ck, "block_table") else None
+        embed = BlockEmbedding(*blocks, cfg.hidden_size, "token_embd.weight") \
+            if blocks is not None else get("model.embed_tokens.weight", dtype=fmt.weight_dtype)
         lm_head: Linear | None = None
         n_out = vocab_limit or cfg.vocab_size
         if not 0 < n_out <= cfg.vocab_size:
@@ -158,6 +164,9 @@ class Decoder:
             table = embed[rows.start:rows.stop] if tied else weight("lm_head.weight", rows=rows)
             lm_head = fmt.linear(table)
         norm = get("model.norm.weight")
+        if hasattr(ck, "release"):
+            ck.release()
+        release_free_heap()
         model = cls(cfg, layers, embed, norm, lm_head, shard, fmt, device)
         model.vocab_out = n_out
         return model
@@ -185,11 +194,12 @@ class Decoder:
                     total += v.nbytes
                 elif v is not None:
                     total += v.numel() * v.element_size()
-        total += self.embed.numel() * self.embed.element_size()
+        total += table_bytes(self.embed)
         total += self.norm.numel() * self.norm.element_size()
         head = self.lm_head
         if head is not None and not (
                 isinstance(getattr(head, "weight", None), torch.Tensor)
+                and isinstance(self.embed, torch.Tensor)
                 and head.weight.untyped_storage().data_ptr()
                 == self.embed.untyped_storage().data_ptr()):  # a view of the tied table
             total += head.nbytes

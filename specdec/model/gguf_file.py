@@ -184,6 +184,22 @@ class GGUFCheckpoint:
             warnings.simplefilter("ignore", UserWarning)
             return read(torch.from_numpy(np.ascontiguousarray(raw)))
 
+    def block_table(self, name: str) -> tuple[torch.Tensor, int] | None:
+        """A tensor's quantized bytes as [rows, bytes a row] uint8 (a copy in this process's
+        memory) and its ggml type, or None where it is stored as floats or reordered."""
+        key, t, shape, raw = self._raw(name)
+        if type_name(int(t.tensor_type)) in ("F32", "F16", "BF16") or \
+                self._permute.get(key.split(".")[-2]) is not None:
+            return None
+        return torch.from_numpy(np.array(raw, copy=True)), int(t.tensor_type)
+
+    def release(self) -> None:
+        """Drop the file's pages from this process's resident memory once the model is
+        built: every tensor the model keeps is a copy, and the pages read while loading
+        (the whole file) would otherwise count against the process for its life. Anything
+        read later is paged in again."""
+        self._r.release()
+
     def get(self, name: str, rows: range | None = None, cols: range | None = None,
             dtype: torch.dtype | None = None) -> torch.Tensor:
         key, t, shape, raw = self._raw(name)

@@ -16,6 +16,7 @@ u64 dims..., u32 ggml type, u64 offset); tensor data from the next multiple of
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import struct
 from pathlib import Path
 
@@ -95,6 +96,14 @@ class GGUFHeader:
         align = int(self.fields.get("general.alignment", 32))
         start = -(-self._pos // align) * align
         self.tensors = [self._tensor(start, *info) for info in infos]
+
+    def release(self) -> None:
+        """Take the mapped pages out of this process's resident set (MADV_DONTNEED: a
+        read-only file mapping stays valid, and pages come back from the page cache when
+        read again)."""
+        mm = getattr(self._map, "_mmap", None)
+        if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            mm.madvise(mmap.MADV_DONTNEED)
 
     def _tensor(self, start: int, name: str, dims: tuple[int, ...], type_id: int,
                 offset: int) -> TensorInfo:
