@@ -34,15 +34,13 @@ def test_rows_are_the_whole_tables_rows(qtype):
 @pytest.mark.real_model
 def test_the_pack_target_keeps_its_table_in_blocks(qwen_target_path):
     from specdec.model.decoder import Decoder
-    from specdec.model.gguf_file import GGUFCheckpoint
+    from specdec.model.gguf_file import GGUFCheckpoint, gguf_in
 
     m = Decoder.from_checkpoint(qwen_target_path, "q4k")
     assert isinstance(m.embed, BlockEmbedding)
     # 151,936 x 1,536 in Q4_K: 125 MB, against 445 MB in fp16.
     assert table_bytes(m.embed) < 140 * 2**20
     ids = torch.tensor([0, 13, 151642, 9999])
-    from specdec.model.gguf_file import gguf_in
-
     want = GGUFCheckpoint(gguf_in(qwen_target_path)).get("model.embed_tokens.weight")[ids]
     torch.testing.assert_close(m.embed[ids], want, rtol=0, atol=0)
     # A float format keeps a float table.
