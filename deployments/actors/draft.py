@@ -9,12 +9,16 @@ resumes once it is back (sequences re-send their context to the new draft).
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
 
+import numpy as np
+
 from deployments.actors.shard_group import GroupFailed, ShardError, ShardGroup
 from specdec.engine.spec import DraftGroupConfig, RuntimeConfig
+from specdec.model.prefix_cache import common_prefix
 from specdec.spec_decode.calls import CallStats
 from specdec.spec_decode.proposal import Proposal, ProposeInput
 from specdec.spec_decode.wire import ContextSender, pack, unpack
@@ -35,11 +39,18 @@ class RayDraftProposer:
         self.group = ShardGroup("draft", cfg, runtime, placement_group, bundle_indices,
                                 extra={"sampling": cfg.sampling, "vocab_limit": cfg.vocab_limit,
                                        "confidence_threshold": cfg.confidence_threshold,
-                                       "q_top_m": cfg.q_top_m})
+                                       "q_top_m": cfg.q_top_m,
+                                       "prefix_cache": runtime.prefix_cache})
         self.runtime = runtime
         self.stats = self.group.start()
         self.sender = ContextSender()
         self._released: list[str] = []
+        # What the draft actor's slots hold, as far as this side can tell: the contexts it
+        # was sent, live and recently released (as many as it has slots). For pricing a
+        # first round's catch-up only; the actor decides its own reuse.
+        self._recent: collections.deque = collections.deque(maxlen=runtime.kv_slots())
+        self.prefix_stats: dict | None = None
+        self._stats_base: dict = {}
         self._lock = threading.Lock()
         self._rebuilding = False
         self.failures = 0
@@ -82,7 +93,9 @@ class RayDraftProposer:
             reply = self.group.get(ref, "draft")
         except (GroupFailed, ShardError) as exc:
             self._lost(exc)
-        proposals, compute_s, self.graph_builds = unpack(reply)
+        proposals, compute_s, self.graph_builds, stats = unpack(reply)
+        if stats is not None:
+            self.prefix_stats = stats
         self.last_call = CallStats(compute_s, sent_bytes + len(reply))
         return proposals
 
@@ -105,8 +118,32 @@ class RayDraftProposer:
         """Nothing to send: the draft sees from the next context which guesses were kept."""
 
     def release(self, seq_id: str) -> None:
+        sent = self.sender.sent(seq_id)
+        if sent:
+            self._recent.append(np.asarray(sent, dtype=np.int64))
         self.sender.forget(seq_id)
         self._released.append(seq_id)
+
+    def forget_prefix_stats(self) -> None:
+        """Counters from here on (the actor's run on: reported relative to now)."""
+        self._stats_base = dict(self.prefix_stats or {})
+
+    def prefix_report(self) -> dict | None:
+        if self.prefix_stats is None:
+            return None
+        base = self._stats_base
+        out = {k: v - base.get(k, 0) if isinstance(v, int) and k != "held_tokens" else v
+               for k, v in self.prefix_stats.items()}
+        out["hit_rate"] = round(out["tokens_reused"] / out["prompt_tokens"], 4) \
+            if out.get("prompt_tokens") else None
+        return out
+
+    def held_prefix(self, context: list[int]) -> int:
+        """The longest prefix of `context` among the contexts the actor was sent (live, and
+        the last ones released): about what its prefix cache will reuse."""
+        ids = np.asarray(context, dtype=np.int64)
+        held = [np.asarray(c, dtype=np.int64) for c in self.sender.contexts()]
+        return max((common_prefix(ids, h) for h in held + list(self._recent)), default=0)
 
     def _start_rebuild(self) -> None:
         with self._lock:
@@ -116,6 +153,8 @@ class RayDraftProposer:
         self.group.kill()
         self.sender.reset()  # the new draft holds no context: the next call sends it all
         self._released = []
+        self._recent.clear()  # nor anything in its cache
+        self.prefix_stats, self._stats_base = None, {}  # its counters start again
         threading.Thread(target=self._rebuild_loop, daemon=True, name="draft-rebuild").start()
 
     def _rebuild_loop(self) -> None:

@@ -60,6 +60,7 @@ class ModelShard:
         self.proposer: DraftModelProposer | None = None
         self.contexts = ContextReceiver()
         self._stopped: set[int] = set()  # overlap windows told to stop (control thread)
+        self._stats_sent: dict | None = None
 
     @ray.method(concurrency_group="control")
     def address(self) -> tuple[str, int]:
@@ -106,7 +107,8 @@ class ModelShard:
                                                    self.extra.get("sampling", "probabilistic"),
                                                    self.extra.get("vocab_limit"),
                                                    self.extra.get("confidence_threshold"),
-                                                   self.extra.get("q_top_m", DEFAULT_Q_TOP_M))
+                                                   self.extra.get("q_top_m", DEFAULT_Q_TOP_M),
+                                                   self.extra.get("prefix_cache", True))
         weights = local.weight_bytes()
         return {"rank": self.rank, "backend": self.group.backend, "device": self.device,
                 "weights_mb": weights / 2**20,
@@ -125,16 +127,18 @@ class ModelShard:
 
     @ray.method(concurrency_group="compute")
     def target_step(self, blob: bytes) -> bytes:
-        """Packed (rows, sequences started, sequences ended) in; packed (results, the seconds
-        spent here, graphs built so far) out: the caller's wall time minus those seconds is
-        the call itself."""
+        """Packed (rows, sequences started, sequences ended, prefix copies) in; packed
+        (results, the seconds spent here, graphs built so far) out: the caller's wall time
+        minus those seconds is the call itself."""
         assert self.runner is not None
-        rows, started, ended = unpack(blob)
+        rows, started, ended, copies = unpack(blob)
         t0 = time.perf_counter()
         for seq_id in ended:
             self.runner.end_sequence(seq_id)
         for seq_id, params in started.items():
             self.runner.start_sequence(seq_id, params)
+        for src, dst, n in copies:
+            self.runner.copy_prefix(src, dst, n)
         results = self.runner.step(rows)
         return pack((results, time.perf_counter() - t0, graph_builds(self.runner)))
 
@@ -147,7 +151,8 @@ class ModelShard:
         t0 = time.perf_counter()
         inputs = self._draft_inputs(*unpack(blob))
         proposals = self.proposer.propose(inputs)
-        return pack((proposals, time.perf_counter() - t0, graph_builds(self.proposer)))
+        return pack((proposals, time.perf_counter() - t0, graph_builds(self.proposer),
+                     self._prefix_stats()))
 
     @ray.method(concurrency_group="compute")
     def draft_window(self, blob: bytes, window_id: int) -> bytes:
@@ -159,7 +164,18 @@ class ModelShard:
         self._stopped = {w for w in self._stopped if w >= window_id}
         inputs = self._draft_inputs(*unpack(blob))
         out = self.proposer.propose(inputs, should_stop=lambda: window_id in self._stopped)
-        return pack((out, time.perf_counter() - t0, graph_builds(self.proposer)))
+        return pack((out, time.perf_counter() - t0, graph_builds(self.proposer),
+                     self._prefix_stats()))
+
+    def _prefix_stats(self) -> dict | None:
+        """The draft's prefix-cache counters when they changed since the last reply (they
+        change when a sequence starts: not every step's few hundred bytes)."""
+        stats = self.proposer.prefixes.stats.as_dict()
+        stats["held_tokens"] = self.proposer.prefixes.held_tokens()
+        if stats == self._stats_sent:
+            return None
+        self._stats_sent = stats
+        return stats
 
     def _draft_inputs(self, deltas: list[ContextDelta], released: list[str]):
         """Apply what the engine sent (finished sequences, context deltas, rewinds) and

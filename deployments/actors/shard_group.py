@@ -69,7 +69,7 @@ class ShardGroup:
         threads = self.cfg.threads_per_rank()
         # Create every rank before waiting on any: ranks block in setup until all join.
         self.actors = [ModelShard.options(**self._options(r)).remote(
-            self.role, self.cfg.model, self.cfg.dtype, r, world, self.runtime.max_slots,
+            self.role, self.cfg.model, self.cfg.dtype, r, world, self.runtime.kv_slots(),
             self.runtime.max_len, threads, self.extra) for r in range(world)]
         try:
             ip, port = ray.get(self.leader.address.remote(), timeout=self.runtime.init_timeout_s)

@@ -34,11 +34,12 @@ class RayTargetRunner:
     def __init__(self, cfg: ModelGroupConfig, runtime: RuntimeConfig,
                  placement_group=None, bundle_indices: list[int] | None = None) -> None:
         self.group = ShardGroup("target", cfg, runtime, placement_group, bundle_indices)
-        self.max_slots, self.max_len = runtime.max_slots, runtime.max_len
+        self.max_slots, self.max_len = runtime.kv_slots(), runtime.max_len
         self.stats = self.group.start()
         self.vocab_size = self.stats[0]["vocab_size"]
         self._started: dict[str, SamplingParams] = {}
         self._ended: list[str] = []
+        self._copies: list[tuple[int, int, int]] = []
         self.failures = 0
         self._closed = False
         self.last_call: CallStats | None = None
@@ -66,12 +67,16 @@ class RayTargetRunner:
         if self._started.pop(seq_id, None) is None:
             self._ended.append(seq_id)
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Rides along with the next step, done before its forward."""
+        self._copies.append((src, dst, n))
+
     def step(self, rows: list[TargetRow]) -> list[TargetResult]:
         if self.down_since is not None:
             raise TargetUnavailable(self.down)
-        started, ended = self._started, self._ended
-        self._started, self._ended = {}, []
-        sent = pack((rows, started, ended))
+        started, ended, copies = self._started, self._ended, self._copies
+        self._started, self._ended, self._copies = {}, [], []
+        sent = pack((rows, started, ended, copies))
         reply = self._call("target_step", sent)
         results, compute_s, self.graph_builds = unpack(reply)
         self.last_call = CallStats(compute_s, len(sent) + len(reply))
@@ -100,7 +105,7 @@ class RayTargetRunner:
             self.down_since = time.monotonic()
         self.group.kill()
         # Sequences the engine still holds die with the group; the new one starts clean.
-        self._started, self._ended = {}, []
+        self._started, self._ended, self._copies = {}, [], []
         self._rebuilding = threading.Thread(target=self._rebuild_loop, daemon=True,
                                             name="target-rebuild")
         self._rebuilding.start()

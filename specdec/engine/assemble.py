@@ -26,6 +26,7 @@ from specdec.engine.spec import EngineSpec, ModelGroupConfig
 from specdec.errors import CapacityError, ConfigError, TargetDown
 from specdec.model.config import DecoderConfig
 from specdec.model.decoder import Decoder
+from specdec.model.prefix_cache import PrefixStats
 from specdec.model.sampling import SamplingParams
 from specdec.model.sharding import ShardSpec
 from specdec.model.step_mode import with_step
@@ -33,7 +34,7 @@ from specdec.pack import hub
 from specdec.pack.tokenizer import IncompatibleDraft, check_same_tokenizer, load_tokenizer
 from specdec.policy.decide import Decision
 from specdec.policy.engine_policy import EnginePolicy, Overrides
-from specdec.spec_decode.proposal import Proposer
+from specdec.spec_decode.proposal import Proposer, draft_held_prefix
 from specdec.spec_decode.proposers import DraftModelProposer, NgramProposer
 from specdec.spec_decode.target_runner import LocalTargetRunner, TargetRunner
 
@@ -128,14 +129,14 @@ class LocalBackend:
         self._threads(spec)
         model = with_step(Decoder.from_checkpoint(path, spec.target.dtype, self.device),
                           spec.target.step)
-        return LocalTargetRunner(model, spec.runtime.max_slots, spec.runtime.max_len)
+        return LocalTargetRunner(model, spec.runtime.kv_slots(), spec.runtime.max_len)
 
     def draft(self, spec: EngineSpec, path: Path) -> Proposer:
         d = spec.draft
         model = with_step(Decoder.from_checkpoint(path, d.dtype, self.device), d.step)
-        proposer = DraftModelProposer(model, spec.runtime.max_slots, spec.runtime.max_len,
+        proposer = DraftModelProposer(model, spec.runtime.kv_slots(), spec.runtime.max_len,
                                       d.sampling, d.vocab_limit, d.confidence_threshold,
-                                      d.q_top_m)
+                                      d.q_top_m, prefix_cache=spec.runtime.prefix_cache)
         if self.device == "cpu":
             proposer.window_threads = check_threads("draft", d)
         return proposer
@@ -175,8 +176,10 @@ class AssembledEngine:
         if wanted.method in self.engine.proposers and wanted.method not in methods:
             raise CapacityError(f"speculative.method {wanted.method!r} is unavailable for now "
                                 "(its proposer is being rebuilt); retry, or leave method unset")
+        draft = self.engine.proposers.get("draft")
+        catchup = len(prompt_ids) - draft_held_prefix(draft, prompt_ids) if draft else 0
         decision = self.policy.admit(self.engine.load(), methods, len(prompt_ids),
-                                     params.max_tokens, bool(params.stop), wanted)
+                                     params.max_tokens, bool(params.stop), wanted, catchup)
         # Plain for now, on standby (only `auto` without a pinned k gets one): it follows
         # the batch's decision in later rounds, so the batch never mixes speculative and
         # plain rows it could have matched.
@@ -222,7 +225,9 @@ def assemble(spec: EngineSpec, backend: Backend,
         policy = EnginePolicy(spec.policy)
         engine = Engine(target, proposers, tok, eos_ids_of(target_path, tok),
                         EngineConfig(max_tokens_per_step=spec.max_tokens_per_step,
-                                     max_waiting=spec.max_waiting),
+                                     max_waiting=spec.max_waiting,
+                                     max_running=spec.runtime.max_slots,
+                                     prefix_cache=spec.runtime.prefix_cache),
                         choose_k=policy.choose_k, overlap=spec.overlap)
         threads = getattr(backend, "mode_threads", None)
         if spec.overlap == "auto" and threads:
@@ -262,3 +267,10 @@ def _forget(engine: Engine) -> None:
     engine.totals.clear()
     engine.history.clear()
     engine.steps = 0
+    # The prefix caches' counters start with the first served request (what warm-up and
+    # calibration left in the slots is never asked for again: their prompts are their own).
+    engine.prefixes.stats = PrefixStats()
+    for proposer in engine.proposers.values():
+        forget = getattr(proposer, "forget_prefix_stats", None)
+        if forget is not None:
+            forget()

@@ -18,8 +18,12 @@ prompts are arbitrary ids, so acceptance (which they would understate) and lengt
 observed.
 
 A busy machine is also said out loud: the steps of one shape repeat across the grid (every
-run starts with the same prefill), so their spread tells a quiet machine from a noisy one,
-and the load average tells whether something else ran beside us.
+run starts with a prefill of the same length), so their spread tells a quiet machine from a
+noisy one, and the load average tells whether something else ran beside us.
+
+Every run's prompt starts with a token of its own, so the prefix cache reuses nothing: each
+run prefills as a new request would. One last run catches the draft up on a long prompt it
+has not seen, the prior of what a first round's catch-up costs per token.
 """
 
 from __future__ import annotations
@@ -35,14 +39,23 @@ from specdec.model.sampling import SamplingParams
 from specdec.policy.engine_policy import EnginePolicy
 
 log = logging.getLogger(__name__)
-_PROMPT = list(range(10, 26))  # 16 tokens: a prefill step of a realistic size per row
+PROMPT_TOKENS = 16     # a prefill step of a realistic size per row
+CATCHUP_TOKENS = 128   # the draft's catch-up run
+
+
+def _prompt(run: int, vocab: int, n: int = PROMPT_TOKENS) -> list[int]:
+    """A prompt no other run shares a prefix with: its first two tokens are the run's own
+    (ids from 3, clear of the usual special tokens, below the vocabulary's size)."""
+    span = max(vocab - 3, 2)
+    head = [3 + (run // span) % span, 3 + run % span]
+    return head + [3 + (run * 31 + j) % span for j in range(n - 2)]
 
 
 def calibrate(engine: Engine, policy: EnginePolicy, k_max: int) -> dict:
     """Run the grid, feed every step to the policy's cost fits as anchors; return what was
     run (rows, method, k, steps) and how long it took."""
     t0 = time.perf_counter()
-    slots = engine.target.max_slots
+    slots = engine.scheduler.max_running  # (slots that only keep prefixes run nothing)
     sizes = sorted({1, slots})
     drafts = [m for m, p in engine.proposers.items()
               if m == "draft" and p.available]
@@ -59,16 +72,26 @@ def calibrate(engine: Engine, policy: EnginePolicy, k_max: int) -> dict:
             shapes.setdefault(rec.tokens, []).append(rec.step_s - rec.draft_s)
 
     engine.on_step.append(observe)
+    vocab, n = engine.target.vocab_size, 0
     try:
         for rows in sizes:
             for method, k, max_tokens in grid:
                 before = engine.steps
-                engine.run([Request(f"calibrate-{rows}-{method}-{k}-{i}", _PROMPT,
+                engine.run([Request(f"calibrate-{rows}-{method}-{k}-{i}", _prompt(n + i, vocab),
                                     SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                    ignore_eos=True),
                                     method, k, fixed_k=True) for i in range(rows)])
+                n += rows
                 runs.append({"rows": rows, "method": method, "k": k,
                              "steps": engine.steps - before})
+        for method in drafts:  # one round that first catches the draft up on a long prompt
+            before = engine.steps
+            length = min(CATCHUP_TOKENS, engine.target.max_len - 8)
+            engine.run([Request("calibrate-catchup", _prompt(n, vocab, length),
+                                SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                                method, 2, fixed_k=True)])
+            runs.append({"rows": 1, "method": method, "k": 2, "catchup": length,
+                         "steps": engine.steps - before})
     finally:
         engine.on_step.remove(observe)
     out = {"runs": runs, "seconds": round(time.perf_counter() - t0, 2), **noise(shapes)}

@@ -21,10 +21,11 @@ from specdec.engine.scheduler import Scheduler
 from specdec.engine.state import EngineConfig, KChooser, Seq, StepRecord, load_report
 from specdec.engine.stop import Detokenizer
 from specdec.errors import EngineError, ErrorKind, TargetLost
+from specdec.model.prefix_cache import Choice
 from specdec.model.static_step import graph_builds
 from specdec.spec_decode.counters import SpecCounters
 from specdec.spec_decode.overlap import OverlapChooser, settle, use_overlap
-from specdec.spec_decode.proposal import Proposal, Proposer
+from specdec.spec_decode.proposal import Proposal, Proposer, draft_held_prefix
 from specdec.spec_decode.target_runner import TargetResult, TargetRunner
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,9 @@ class Engine:
         self.config = config or EngineConfig()
         # The policy hook: revisit k between rounds (default: the request's own k).
         self.choose_k = choose_k
-        self.scheduler = Scheduler(target.max_slots, self.config.max_waiting)
+        self.scheduler = Scheduler(target.max_slots, self.config.max_waiting,
+                                   self.config.max_running, self.config.prefix_cache)
+        self.prefixes = self.scheduler.prefixes
         self._running = self.scheduler.running  # the running sequences, by request id
         self.totals: dict[str, SpecCounters] = collections.defaultdict(SpecCounters)
         self.history: collections.deque[StepRecord] = collections.deque(maxlen=256)
@@ -90,7 +93,7 @@ class Engine:
     def load(self) -> dict:
         waiting, pinned_waiting = self.scheduler.waiting_counts()
         return load_report(waiting, pinned_waiting, list(self._running.values()),
-                           len(self.scheduler.free_slots), list(self.history)[-16:])
+                           self.scheduler.free_count(), list(self.history)[-16:])
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -108,6 +111,7 @@ class Engine:
         except TargetLost as exc:
             log.error("target failed: %s", exc)
             self._fail_all(outputs, f"target failed: {exc}", ErrorKind.TARGET_LOST)
+            self.prefixes.clear()  # the group that held the slots' K/V is gone
         except Exception as exc:  # a bug: fail this step's requests, keep serving
             log.exception("engine step failed")
             self._fail_all(outputs, f"internal error in the engine step "
@@ -137,7 +141,7 @@ class Engine:
                 outputs.append(self._finish(seq, "error", error=error, kind=kind))
             except Exception:  # noqa: BLE001 - its slot is freed all the same
                 log.exception("failing request %s", seq.req.request_id)
-                self.scheduler.release(seq)
+                self.scheduler.release(seq, keep=False)
 
     def _use_overlap(self) -> bool:
         return use_overlap(self.overlap, self.overlap_chooser, self.proposers.get("draft"),
@@ -153,6 +157,8 @@ class Engine:
         self._last_mode = rec.overlapped
         decode = [s for s in self._running.values() if s.cached >= s.prompt_len]
         prefill = [s for s in self._running.values() if s.cached < s.prompt_len]
+        for seq in prefill:
+            self._copy_computed_prefix(seq)
         for seq in decode:
             seq.k_now = self._k_for(seq, len(seq.tokens) - seq.cached)
         plan = plan_step(decode, prefill, rec, self.proposers, self.target.max_len,
@@ -179,7 +185,8 @@ class Engine:
         rec.end = time.perf_counter()
         rec.post_s, rec.step_s = rec.end - t2, rec.end - t_start
         self.history.append(rec)
-        if self.overlap_chooser is not None and (plan.windows or rec.draft_rows) \
+        drafted = rec.draft_rows or any(not w.catchup_only for w in plan.windows)
+        if self.overlap_chooser is not None and drafted \
                 and not rec.graph_built:
             self.overlap_chooser.observe(rec.overlapped, rec.step_s, rec.emitted)
 
@@ -238,13 +245,38 @@ class Engine:
             if r.accepted and prop is not None and len(prop.token_ids) > 1 else None
         return r.token, heads.get(seq.req.request_id) is not None, r.accepted
 
-    def _start(self, req: Request, slot: int) -> Seq:
-        seq = Seq(req, slot, list(req.prompt_ids), len(req.prompt_ids),
-                  admitted=time.monotonic())
+    def _start(self, req: Request, choice: Choice) -> Seq:
+        """A running sequence in the chosen slot, starting from the prefix it holds (or will
+        hold once the copy from another slot, done before the next forward)."""
+        seq = Seq(req, choice.slot, list(req.prompt_ids), len(req.prompt_ids),
+                  cached=choice.reuse, admitted=time.monotonic(), reused=choice.reuse)
         if self.tokenizer is not None:
             seq.detok = Detokenizer(self.tokenizer, req.params.stop)
+        draft = self.proposers.get("draft")
+        if draft is not None and req.method == "draft":
+            # What the draft's own prefix cache holds of the prompt: its first round computes
+            # only the rest.
+            seq.draft_seen = draft_held_prefix(draft, req.prompt_ids)
         self.target.start_sequence(req.request_id, req.params)
+        if choice.copy_from is not None:
+            self.target.copy_prefix(choice.copy_from, choice.slot, choice.reuse)
         return seq
+
+    def _copy_computed_prefix(self, seq: Seq) -> None:
+        """A prompt still being prefilled takes by copy what another running sequence has
+        computed of it since it started (requests that share a system prompt and arrive
+        together: the first one's chunks serve the rest)."""
+        if len(self._running) < 2:
+            return
+        found = self.prefixes.source(seq.tokens[: seq.prompt_len], seq.cached,
+                                     self.scheduler.running_contents(but=seq))
+        if found is None:
+            return
+        src, n = found
+        self.target.copy_prefix(src, seq.slot, n)
+        self.prefixes.copied(n - seq.cached)
+        seq.reused += n - seq.cached
+        seq.cached = n
 
     def _k_for(self, seq: Seq, pending: int) -> int:
         req = seq.req
@@ -257,7 +289,9 @@ class Engine:
         if self.choose_k is None or req.fixed_k:
             k = req.k
         else:
-            k = self.choose_k(self, req, seq.spec, len(self._running))
+            # The context the draft has not seen: priced against what the row has left.
+            catchup = len(seq.tokens) - seq.draft_seen if req.method == "draft" else 0
+            k = self.choose_k(self, req, seq.spec, len(self._running), catchup=catchup)
         if req.speculate:  # asked for: a guess every round, whatever the costs say
             k = max(k, 1)
         remaining = req.params.max_tokens - seq.generated
@@ -275,7 +309,8 @@ class Engine:
     def _finish(self, seq: Seq, reason, new: list[int] | None = None,
                 error: str | None = None, kind: ErrorKind | None = None) -> RequestOutput:
         rid = seq.req.request_id
-        self.scheduler.release(seq)
+        # A failed step may have left the slot half-written: keep nothing of it.
+        self.scheduler.release(seq, keep=reason != "error")
         self.target.end_sequence(rid)
         for p in self.proposers.values():
             p.release(rid)

@@ -68,7 +68,7 @@ def make_output(seq: Seq, new: list[int], finished: bool, reason: str | None,
     delta = seq.detok.delta(final=finished) if seq.detok else ""
     out = RequestOutput(seq.req.request_id, new, delta, seq.tokens[seq.prompt_len:], text,
                         finished, reason, seq.prompt_len, seq.spec, error, seq.k_now,
-                        seq.req.method, kind)
+                        seq.req.method, kind, cached_tokens=seq.reused)
     if finished and seq.req.arrival:
         now = time.monotonic()
         out.queue_s = seq.admitted - seq.req.arrival

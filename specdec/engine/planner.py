@@ -48,6 +48,8 @@ def plan_step(decode: list[Seq], prefill: list[Seq], rec: StepRecord,
     rec.draft_s = time.perf_counter() - t0
     rows, num_draft = _decode_rows(decode, asks.ahead, proposals, failed, totals)
     rows += _prefill_rows(prefill, config, sum(len(r.tokens) for r in rows))
+    if rec.overlapped:
+        asks.windows += _prefill_catchups(prefill, rows)
     return Plan(rows, num_draft, asks.windows)
 
 
@@ -152,3 +154,19 @@ def _prefill_rows(prefill: list[Seq], config: EngineConfig, used: int) -> list[T
         if done:
             seq.k_now = 0
     return rows
+
+
+def _prefill_catchups(prefill: list[Seq], rows: list[TargetRow]) -> list[ProposeInput]:
+    """Overlap: while the target computes a prompt chunk, the draft (on its own compute)
+    takes in the prompt up to that chunk's end, so that its first round finds nothing to
+    catch up on (the prompt is known: the draft need not wait for the target)."""
+    ends = {r.seq_id: r.start + len(r.tokens) for r in rows}
+    out = []
+    for seq in prefill:
+        end = ends.get(seq.req.request_id, 0)
+        if seq.req.method != "draft" or end <= seq.draft_seen:
+            continue
+        out.append(ProposeInput(seq.req.request_id, seq.tokens[:end], 1, seq.req.params,
+                                catchup_only=True))
+        seq.draft_seen = end
+    return out

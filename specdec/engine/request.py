@@ -46,6 +46,9 @@ class RequestOutput:
     # Why an errored request failed: TARGET_LOST (the target group went away: retry) or
     # INTERNAL (the step failed unexpectedly: a bug to report).
     error_kind: ErrorKind | None = None
+    # Prompt tokens whose K/V came from the prefix cache (OpenAI's usage.prompt_tokens_details
+    # .cached_tokens).
+    cached_tokens: int = 0
     # On the final output: seconds queued before a slot, to the first token, end to end.
     queue_s: float | None = None
     ttft_s: float | None = None

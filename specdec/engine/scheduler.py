@@ -1,6 +1,11 @@
 """The queue and the KV slots: who waits, who runs, and which slot each running sequence
 holds. Submission and aborts arrive from other threads (the Serve replica's event loop),
-so those go through a lock; the step loop alone admits and releases."""
+so those go through a lock; the step loop alone admits and releases.
+
+A slot keeps its last sequence's K/V after it is released, and a new request takes the free
+slot holding the longest prefix of its prompt (specdec/model/prefix_cache.py): the slots
+are the prefix cache. There may be more slots than sequences running at once (cache slots),
+so that more conversations stay warm."""
 
 from __future__ import annotations
 
@@ -9,19 +14,25 @@ import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from specdec.engine.request import Request
 from specdec.engine.state import Seq, pinned_plain
 from specdec.errors import CapacityError
+from specdec.model.prefix_cache import Choice, PrefixCache
 
 
 class Scheduler:
-    def __init__(self, max_slots: int, max_waiting: int) -> None:
+    def __init__(self, num_slots: int, max_waiting: int, max_running: int | None = None,
+                 prefix_cache: bool = True) -> None:
         self.max_waiting = max_waiting
+        self.max_running = min(max_running or num_slots, num_slots)
         self._lock = threading.Lock()
         self._waiting: collections.deque[Request] = collections.deque()
         self._aborts: set[str] = set()
         self.running: dict[str, Seq] = {}
-        self.free_slots = list(range(max_slots - 1, -1, -1))
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.prefixes = PrefixCache(num_slots, enabled=prefix_cache)
 
     # ---- from any thread ------------------------------------------------------------------
 
@@ -56,18 +67,32 @@ class Scheduler:
                                                   if r.request_id not in aborts)
         return [self.running[rid] for rid in aborts if rid in self.running]
 
-    def admit(self, start: Callable[[Request, int], Seq]) -> None:
-        """Move waiting requests into free slots, oldest first; start(req, slot) makes the
-        running sequence."""
-        while self.free_slots:
+    def free_count(self) -> int:
+        """Sequences that could start now."""
+        return min(len(self.free_slots), self.max_running - len(self.running))
+
+    def admit(self, start: Callable[[Request, Choice], Seq]) -> None:
+        """Move waiting requests into free slots, oldest first, each into the slot holding
+        the longest prefix of its prompt; start(req, choice) makes the running sequence."""
+        while self.free_slots and len(self.running) < self.max_running:
             with self._lock:
                 if not self._waiting:
                     return
                 req = self._waiting.popleft()
-            self.running[req.request_id] = start(req, self.free_slots.pop())
+            choice = self.prefixes.choose(req.prompt_ids, self.free_slots,
+                                          self.running_contents())
+            self.free_slots.remove(choice.slot)
+            self.running[req.request_id] = start(req, choice)
 
-    def release(self, seq: Seq) -> None:
-        """The sequence stops running and its slot is free again; a second call does
-        nothing (the slot may already belong to another sequence)."""
+    def running_contents(self, but: Seq | None = None) -> dict[int, np.ndarray]:
+        """slot -> the tokens whose K/V a running sequence's slot holds now."""
+        return {s.slot: np.asarray(s.tokens[: s.held()], dtype=np.int64)
+                for s in self.running.values() if s is not but and s.held()}
+
+    def release(self, seq: Seq, keep: bool = True) -> None:
+        """The sequence stops running and its slot is free again, keeping its K/V for a
+        later request (keep=False: after a failed step, what it holds is not known). A
+        second call does nothing (the slot may already belong to another sequence)."""
         if self.running.pop(seq.req.request_id, None) is not None:
+            self.prefixes.release(seq.slot, seq.tokens[: seq.held()] if keep else [])
             self.free_slots.append(seq.slot)

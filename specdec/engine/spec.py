@@ -113,6 +113,16 @@ class RuntimeConfig(BaseModel):
                            "cache slots); more requests wait, up to max_waiting.")
     max_len: int = Field(2048, ge=16, description="Prompt plus output tokens per sequence "
                          "(the KV cache's length per slot).")
+    prefix_cache: bool = Field(True, description=(
+        "Keep a finished sequence's K/V in its slot until the slot is needed (least recently "
+        "used first) and start each request from the longest prefix of its prompt that a "
+        "slot holds (copied from a running sequence's slot where that one holds more): a "
+        "conversation's next turn computes only its new tokens, in the target and in the "
+        "draft. Exact: greedy output with it is token-identical to output without it."))
+    cache_slots: int = Field(0, ge=0, le=4096, description=(
+        "KV slots beyond max_slots that only keep finished sequences' prefixes, so that more "
+        "conversations stay warm than run at once. Each costs max_len x the KV bytes per "
+        "token in the target and in the draft (/health reports the KV cache's size)."))
     init_timeout_s: float = Field(300.0, gt=0, description="A group's start: actors, "
                                   "weights, the gloo/NCCL group.")
     step_timeout_s: float = Field(120.0, gt=0, description="One engine step on a group.")
@@ -129,6 +139,10 @@ class RuntimeConfig(BaseModel):
                             "actors.")
     gloo_socket_ifname: str | None = Field(None, description="Network interface for gloo, "
                                            "e.g. lo on a single machine.")
+
+    def kv_slots(self) -> int:
+        """KV slots of each model: running sequences, then slots that only keep prefixes."""
+        return self.max_slots + self.cache_slots
 
     def watchdog_limit_s(self) -> float:
         return self.watchdog_s or self.step_timeout_s + self.init_timeout_s + 60.0

@@ -7,16 +7,11 @@ import collections
 import dataclasses
 import statistics
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from specdec.engine.request import Request
 from specdec.engine.stop import Detokenizer
 from specdec.spec_decode.counters import SpecCounters
 from specdec.spec_decode.proposal import Proposal
-
-if TYPE_CHECKING:
-    from specdec.engine.engine import Engine
-
 
 # Defaults of the engine's limits, shared with EngineSpec (the validated config).
 MAX_TOKENS_PER_STEP = 512
@@ -28,6 +23,9 @@ class EngineConfig:
     max_tokens_per_step: int = MAX_TOKENS_PER_STEP  # prefill chunks fill what decode rows leave
     min_prefill_chunk: int = 32      # so a prefill advances even under a full decode batch
     max_waiting: int = MAX_WAITING   # queued requests beyond this are refused (overload)
+    # Sequences at once (None: one per KV slot; fewer leaves slots that only keep prefixes).
+    max_running: int | None = None
+    prefix_cache: bool = True        # start a request from the longest cached prefix
 
 
 @dataclasses.dataclass
@@ -86,13 +84,21 @@ class Seq:
     # Context length at this row's last draft call: what the draft has to catch up on
     # before its first guess (the whole prompt on a first round, a plain stretch after it).
     draft_seen: int = 0
+    # Prompt tokens whose K/V came from the prefix cache (not computed for this request).
+    reused: int = 0
 
     @property
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_len
 
+    def held(self) -> int:
+        """Tokens whose K/V the target's slot holds for this sequence: the first `cached`
+        (a stop string may cut output the cache already holds: only tokens kept count)."""
+        return min(self.cached, len(self.tokens))
 
-KChooser = Callable[["Engine", Request, SpecCounters, int], int]
+
+# (engine, request, its counters, rows running, catchup=tokens the draft has not seen) -> k
+KChooser = Callable[..., int]
 
 
 def pinned_plain(req: Request) -> bool:

@@ -38,6 +38,13 @@ class KVCache:
         self.k[layer, slot_of_token, pos_of_token] = k.to(self.k.dtype)
         self.v[layer, slot_of_token, pos_of_token] = v.to(self.v.dtype)
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Slot dst's first n positions become slot src's (a prefix shared by copy: see
+        specdec/model/prefix_cache.py), in every layer."""
+        if n > 0 and src != dst:
+            self.k[:, dst, :n] = self.k[:, src, :n]
+            self.v[:, dst, :n] = self.v[:, src, :n]
+
     def read(self, layer: int, slots, kv_len: int, single_slot: int | None):
         """Keys/values [B, kv_len, heads, dim] for the given slots (a view for one slot)."""
         if single_slot is not None:

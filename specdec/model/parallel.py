@@ -25,7 +25,7 @@ from specdec.model.batch import BatchInput
 from specdec.model.decoder import Decoder
 from specdec.model.kv_cache import KVCache
 
-_STEP, _STOP = 1, 2
+_STEP, _STOP, _COPY = 1, 2, 3
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -201,6 +201,13 @@ class LeaderDecoder:
         runs a step that is not a single forward, such as the draft's loop."""
         return self.local if self.group.world == 1 else None
 
+    def copy_prefix(self, cache: KVCache, src: int, dst: int, n: int) -> None:
+        """Every rank copies its own heads' K/V of a shared prefix (prefix_cache.py)."""
+        if self.group.world > 1:
+            dist.broadcast(torch.tensor([_COPY, src, dst, n], dtype=torch.long), src=0,
+                           group=self.group.control)
+        cache.copy_prefix(src, dst, n)
+
     def stop_followers(self) -> None:
         if self.group.world > 1:
             dist.broadcast(torch.tensor([_STOP, 0, 0, 0], dtype=torch.long), src=0,
@@ -216,6 +223,9 @@ def follow(local: Decoder, group: Group, cache: KVCache) -> int:
         dist.broadcast(header, src=0, group=group.control)
         if int(header[0]) == _STOP:
             return steps
+        if int(header[0]) == _COPY:
+            cache.copy_prefix(int(header[1]), int(header[2]), int(header[3]))
+            continue
         payload = torch.empty(int(header[1]), dtype=torch.long)
         dist.broadcast(payload, src=0, group=group.control)
         n_idx = int(header[2])

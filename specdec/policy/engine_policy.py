@@ -30,7 +30,7 @@ from specdec.policy.decide import (
     decide,
     revisit,
 )
-from specdec.policy.measured_costs import DraftCostModel, StepCostModel
+from specdec.policy.measured_costs import CatchupCost, DraftCostModel, StepCostModel
 from specdec.policy.settings import PolicySettings
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 # probe of a verify still emits the tokens it accepts, so this costs a step or two a second
 # at most, and only until each shape has been run once.
 UNMEASURED_GAP = 0.1
+
+# A probe or an exploration must be able to repay the draft's catch-up if speculation turns
+# out to pay this much: it is run to find out, whatever the estimate says now.
+TRIAL_SPEEDUP = 4 / 3
 
 
 @dataclasses.dataclass
@@ -63,6 +67,8 @@ class EnginePolicy:
         self.draft_round_cost = DraftCostModel(clock)
         # A draft not yet run for real is corrected as far as the target's calibration was.
         self.draft_round_cost.borrow = self.step_cost.calibration_error
+        # The draft's catch-up on context it has not seen, per token (see _catchup_repaid).
+        self.catchup_cost = CatchupCost()
         # Probe steps (see _plan_probe): this step's, the last one's time, counts by shape.
         self._probe: tuple[str, str, int] | None = None
         self._last_probe = -math.inf
@@ -83,11 +89,64 @@ class EnginePolicy:
     # ---- admission -------------------------------------------------------------------
 
     def admit(self, load: dict, methods: list[str], prompt_tokens: int, max_tokens: int,
-              has_stop: bool, wanted: Overrides) -> Decision:
+              has_stop: bool, wanted: Overrides, catchup: int = 0) -> Decision:
         """Plain or speculative, method and k for a request about to join this engine.
-        load: Engine.load(); methods: the proposers available right now."""
+        load: Engine.load(); methods: the proposers available right now; catchup: tokens of
+        the prompt the draft would have to compute before its first guess (the prompt less
+        the longest prefix of it the draft's cache holds)."""
         with self._lock:
-            return self._admit(load, methods, prompt_tokens, max_tokens, has_stop, wanted)
+            d = self._admit(load, methods, prompt_tokens, max_tokens, has_stop, wanted)
+            if wanted.mode == "auto" and d.mode == "speculative":
+                expected = self.lengths.expected(prompt_tokens, max_tokens, has_stop)
+                why = self._catchup_refused(d, catchup, expected, self._load(load, joining=1),
+                                            trial=d.why == "explore")
+                if why is not None:
+                    return Decision("plain", "none", 0, why, d.expected_speedup, d.inputs,
+                                    "catchup", standby=d.method)
+            return d
+
+    def _catchup_seconds(self, tokens: int) -> float | None:
+        """The draft's time to catch up on `tokens` tokens: measured, or until then a
+        target forward of that many tokens times the draft's cost ratio."""
+        got = self.catchup_cost.seconds(tokens)
+        if got is not None:
+            return got
+        target = self.step_cost.step_seconds(tokens)
+        c = self.draft_cost if self.draft_cost is not None else self.config.draft_cost_ratio
+        return None if target is None else c * target
+
+    def _catchup_refused(self, d: Decision, catchup: int, expected: float, load: Load,
+                         trial: bool = False) -> str | None:
+        """Why a speculative decision does not pay once the draft's catch-up is priced in,
+        or None when it does. The catch-up delays every row of the batch (the draft runs
+        before the target's step); speculating saves this row (1 - 1/speedup) of a plain
+        step per expected token. trial (a probe, an exploration): the decision is there to
+        find out whether speculation pays after all, so the row must be able to repay the
+        catch-up if it turns out to pay modestly (TRIAL_SPEEDUP), whatever the estimate."""
+        if d.method != "draft" or catchup <= self.config.k_max + 1:
+            return None  # a round's own catch-up (the target's last tokens): priced as one
+        cost = self._catchup_seconds(catchup)
+        plain = self.step_cost.step_seconds(max(load.running, 1) + load.prefill_tokens)
+        speedup = max(d.expected_speedup, TRIAL_SPEEDUP) if trial else d.expected_speedup
+        if cost is None or plain is None or speedup <= 1.0:
+            return None if cost is None or plain is None else "no gain to repay it with"
+        saved = expected * plain * (1 - 1 / speedup)
+        paid = cost * max(load.running, 1)
+        if saved >= paid:
+            return None
+        return (f"the draft's catch-up on {catchup} tokens ({paid:.2f} s) is not repaid by "
+                f"~{expected:.0f} tokens at {speedup:.2f}x ({saved:.2f} s)")
+
+    def _remaining(self, req, spec) -> float:
+        """Tokens a running request is expected to produce still: what finished replies of
+        its prompt length ran to, or, past that, as many again as it has run (up to its
+        max_tokens)."""
+        params = req.params
+        done = spec.emitted
+        left = params.max_tokens - done
+        expected = self.lengths.expected(len(req.prompt_ids), params.max_tokens,
+                                         bool(params.stop))
+        return max(min(left, max(expected - done, done)), 0)
 
     def _admit(self, load, methods, prompt_tokens, max_tokens, has_stop, wanted) -> Decision:
         if wanted.method and wanted.method not in methods:
@@ -171,12 +230,25 @@ class EnginePolicy:
 
     # ---- between rounds (Engine's choose_k hook) ---------------------------------------
 
-    def choose_k(self, engine, req, spec, running: int) -> int:
+    def choose_k(self, engine, req, spec, running: int, catchup: int = 0) -> int:
         """k for a running request's next round. The method-level answer depends only on
         the step's load, so it is computed once per step; a request's own acceptance moves
-        it only through a coarse bucket (and drops it to plain when it collapsed)."""
+        it only through a coarse bucket (and drops it to plain when it collapsed). catchup:
+        tokens of its context the draft has not seen: a row whose remaining output cannot
+        repay that stays plain (a probe included); one that asked for speculation pays it."""
         with self._lock:
-            return self._choose_k(engine, req, spec)
+            k = self._choose_k(engine, req, spec)
+            if k and catchup > self.config.k_max + 1 and not req.speculate and \
+                    req.method == "draft":
+                load = self._load(engine.load())
+                alpha = {req.method: self.acceptance.alpha(req.method)}
+                curves = {req.method: self.acceptance.curve(req.method, self.config.k_max)}
+                d = self._decide([req.method], alpha, math.inf, load, curves, req.method, k)
+                probe = self._probe is not None and self._probe[2] == k
+                if self._catchup_refused(d, catchup, self._remaining(req, spec), load,
+                                         trial=probe):
+                    return 0
+            return k
 
     def _choose_k(self, engine, req, spec) -> int:
         if engine.steps != self._step_seen:
@@ -304,8 +376,12 @@ class EnginePolicy:
         (step.calibrate if anchor else step.observe)(rec.tokens, rec.step_s - rec.draft_s)
         if getattr(rec, "draft_catchup", 0) > self.config.k_max + 1:
             # The draft first prefilled a row's context (its first round, or its first after
-            # a plain stretch): not what a round costs. Taken as one, the first round of
-            # every request priced the draft up to 2x and turned speculation off.
+            # a plain stretch): not what a round costs (taken as one, the first round of
+            # every request priced the draft up to 2x and turned speculation off), but what
+            # a catch-up costs beyond the round.
+            self.catchup_cost.observe(rec.draft_catchup, rec.draft_model_s,
+                                      draft.round_seconds(rec.draft_k, rec.draft_rows),
+                                      anchor=anchor)
             return
         (draft.calibrate if anchor else draft.observe)(rec.draft_k, rec.draft_rows,
                                                        rec.draft_model_s)
@@ -346,6 +422,7 @@ class EnginePolicy:
             "step_cost_fit": self.step_cost.fit(), "draft_cost_ratio": self.draft_cost,
             "draft_round_fit": self.draft_round_cost.fit(),
             "step_costs": self.step_cost.report(), "probes": dict(self.probes),
+            "draft_catchup": self.catchup_cost.report(),
             "priced_one_row": self._priced_one_row(methods),
         }
 

@@ -263,3 +263,34 @@ def _draft_fit(costs: dict[tuple, float]) -> tuple[float, float, float] | None:
         x = x[:, :2]  # one batch size only: no slope in rows
     coef = np.linalg.lstsq(x, y, rcond=None)[0].tolist() + [0.0]
     return (max(coef[0], 0.0), max(coef[1], 1e-6), max(coef[2], 0.0))
+
+
+class CatchupCost:
+    """What the draft pays to catch up on context it has not seen (a prompt, or what a row
+    decoded plainly), per token: the draft's time in a round that first caught up, beyond
+    what the round itself costs (DraftCostModel), over the tokens it caught up on. The
+    start-up calibration runs one such round; live rounds replace it, the median of the
+    recent ones."""
+
+    def __init__(self) -> None:
+        self.live: collections.deque = collections.deque(maxlen=LIVE_PER_SHAPE)
+        self.prior: list[float] = []
+
+    def observe(self, tokens: int, seconds: float, round_seconds: float | None,
+                anchor: bool = False) -> None:
+        if tokens <= 0 or round_seconds is None:
+            return
+        per_token = max(seconds - round_seconds, 0.0) / tokens
+        (self.prior if anchor else self.live).append(per_token)
+
+    def seconds(self, tokens: int) -> float | None:
+        """Seconds to catch up on `tokens` tokens, or None while nothing was measured."""
+        samples = self.live or self.prior
+        if not samples or tokens <= 0:
+            return None if not samples else 0.0
+        return tokens * statistics.median(samples)
+
+    def report(self) -> dict:
+        per = self.seconds(1000)
+        return {"ms_per_1000_tokens": None if per is None else round(1000 * per, 1),
+                "live_samples": len(self.live)}

@@ -135,6 +135,7 @@ def settle(draft, target, window, windows: list[ProposeInput], results: list, re
     its row's head guess. Returns (resolved, heads, window proposals by row)."""
     if not windows:
         return {}, {}, {}
+    # (A window that only caught the draft up on a prompt has nothing to settle.)
     t0 = time.perf_counter()
     proposals: dict[str, Proposal] = {}
     if window is not None:
@@ -149,7 +150,9 @@ def settle(draft, target, window, windows: list[ProposeInput], results: list, re
             rec.draft_compute_s += call.compute_s
             rec.draft_bytes += call.bytes
     rec.draft_s += time.perf_counter() - t0  # the draft's time not hidden by the target
-    guessed = [len(p.token_ids) for p in proposals.values() if p.token_ids]
+    catchups = {i.seq_id for i in windows if i.catchup_only}
+    guessed = [len(p.token_ids) for rid, p in proposals.items()
+               if p.token_ids and rid not in catchups]
     rec.mean_k = sum(guessed) / len(guessed) if guessed else 0.0
     rec.max_k = max(guessed, default=0)
     heads: dict[str, Head | None] = {}

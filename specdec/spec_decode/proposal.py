@@ -18,6 +18,9 @@ class ProposeInput:
     context: list[int]   # the whole sequence so far: prompt and output
     k: int
     params: SamplingParams
+    # Overlap: only catch the draft up on this context (a prompt being prefilled by the
+    # target meanwhile); its guess is not used.
+    catchup_only: bool = False
 
 
 @dataclasses.dataclass
@@ -56,3 +59,12 @@ class Proposer(Protocol):
         """The first valid_len tokens of the sequence are final (drafts past them are not)."""
 
     def release(self, seq_id: str) -> None: ...
+
+
+def draft_held_prefix(proposer, context: list[int]) -> int:
+    """Tokens of `context` a proposer's own cache holds (0 for proposers without one, or a
+    draft that is down)."""
+    held = getattr(proposer, "held_prefix", None)
+    if held is None or not getattr(proposer, "available", True):
+        return 0
+    return held(context)

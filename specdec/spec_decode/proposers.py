@@ -18,6 +18,7 @@ from specdec.model.batch import BatchInput
 from specdec.model.decoder import Decoder
 from specdec.model.draft_loop import loop_decoder, run_loop
 from specdec.model.host_copy import to_device
+from specdec.model.prefix_cache import PrefixCache, PrefixStats, common_prefix
 from specdec.model.sampling import SamplingParams, draw_with_uniform, make_generator, warp_probs
 from specdec.model.static_step import graph_builds
 from specdec.spec_decode.overlap import ThreadWindow
@@ -70,6 +71,11 @@ class _DraftSeq:
     generator: torch.Generator
     base: int = 0                # context length at the last proposal
     guesses: list[int] = dataclasses.field(default_factory=list)  # that proposal
+    context: list[int] = dataclasses.field(default_factory=list)  # as last seen
+
+    def held(self) -> list[int]:
+        """The context tokens whose K/V the slot holds (guesses not kept excluded)."""
+        return self.context[: min(self.valid_after(self.context), len(self.context))]
 
     def valid_after(self, context: list[int]) -> int:
         """KV entries still right for this context: the old context (the caller rewinds
@@ -118,7 +124,7 @@ class DraftModelProposer:
                  sampling: Literal["probabilistic", "greedy"] = "probabilistic",
                  vocab_limit: int | None = None,
                  confidence_threshold: float | None = None,
-                 q_top_m: int | None = DEFAULT_Q_TOP_M) -> None:
+                 q_top_m: int | None = DEFAULT_Q_TOP_M, prefix_cache: bool = True) -> None:
         if sampling not in ("probabilistic", "greedy"):
             raise ValueError("draft sampling must be 'probabilistic' or 'greedy'")
         if confidence_threshold is not None and not 0.0 <= confidence_threshold < 1.0:
@@ -143,6 +149,8 @@ class DraftModelProposer:
         self.max_len = max_len
         self._seqs: dict[str, _DraftSeq] = {}
         self._free = list(range(max_slots - 1, -1, -1))
+        # Its own prefix cache: a follow-up turn costs the draft only its new tokens too.
+        self.prefixes = PrefixCache(max_slots, enabled=prefix_cache)
 
     @property
     def graph_builds(self) -> int:
@@ -154,9 +162,35 @@ class DraftModelProposer:
             if not self._free:
                 raise RuntimeError("draft has no free KV slot")
             seed = None if inp.params.seed is None else inp.params.seed ^ 0x5EED
-            s = _DraftSeq(self._free.pop(), 0, make_generator(seed))
+            running = {r.slot: np.asarray(r.held(), dtype=np.int64)
+                       for r in self._seqs.values()}
+            choice = self.prefixes.choose(inp.context, self._free, running)
+            self._free.remove(choice.slot)
+            if choice.copy_from is not None:
+                copy = getattr(self.model, "copy_prefix", None)  # a tensor-parallel leader
+                if copy is not None:
+                    copy(self.cache, choice.copy_from, choice.slot, choice.reuse)
+                else:
+                    self.cache.copy_prefix(choice.copy_from, choice.slot, choice.reuse)
+            # It starts holding `reuse` tokens of its context, as if proposed from there.
+            s = _DraftSeq(choice.slot, choice.reuse, make_generator(seed), base=choice.reuse)
             self._seqs[inp.seq_id] = s
+        s.context = inp.context
         return s
+
+    def forget_prefix_stats(self) -> None:
+        self.prefixes.stats = PrefixStats()
+
+    def prefix_report(self) -> dict:
+        return {**self.prefixes.stats.as_dict(), "held_tokens": self.prefixes.held_tokens()}
+
+    def held_prefix(self, context: list[int]) -> int:
+        """Tokens of `context` the draft would not have to compute if it started now: what
+        the policy prices a first round's catch-up by."""
+        ids = np.asarray(context, dtype=np.int64)
+        slots = [self.prefixes.held(f) for f in self._free] + \
+            [np.asarray(r.held(), dtype=np.int64) for r in list(self._seqs.values())]
+        return max((common_prefix(ids, h) for h in slots), default=0)
 
     def start_window(self, inputs: list[ProposeInput]) -> DraftWindow:
         """Draft in the background (overlap with the target's step) until stopped: see
@@ -330,6 +364,7 @@ class DraftModelProposer:
     def release(self, seq_id: str) -> None:
         s = self._seqs.pop(seq_id, None)
         if s is not None:
+            self.prefixes.release(s.slot, s.held())
             self._free.append(s.slot)
 
 

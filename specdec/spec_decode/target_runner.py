@@ -78,6 +78,10 @@ class TargetRunner(Protocol):
 
     def start_sequence(self, seq_id: str, params: SamplingParams) -> None: ...
 
+    # Slot dst's first n positions become slot src's (a prefix shared by copy), before the
+    # next step's forward.
+    def copy_prefix(self, src: int, dst: int, n: int) -> None: ...
+
     def step(self, rows: list[TargetRow]) -> list[TargetResult]: ...
 
     def end_sequence(self, seq_id: str) -> None: ...
@@ -276,6 +280,13 @@ class LocalTargetRunner:
     def start_sequence(self, seq_id: str, params: SamplingParams) -> None:
         self._params[seq_id] = params
         self._gens[seq_id] = make_generator(params.seed, "cpu")
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        copy = getattr(self.model, "copy_prefix", None)  # a tensor-parallel leader: all ranks
+        if copy is not None:
+            copy(self.cache, src, dst, n)
+        else:
+            self.cache.copy_prefix(src, dst, n)
 
     def step(self, rows: list[TargetRow]) -> list[TargetResult]:
         return verify_step(self.model, self.cache, rows, self._params, self._gens,

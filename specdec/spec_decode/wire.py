@@ -64,6 +64,13 @@ class ContextSender:
     def forget(self, seq_id: str) -> None:
         self._sent.pop(seq_id, None)
 
+    def sent(self, seq_id: str) -> list[int] | None:
+        """The context the receiver holds for a sequence (None: nothing sent yet)."""
+        return self._sent.get(seq_id)
+
+    def contexts(self) -> list[list[int]]:
+        return list(self._sent.values())
+
     def reset(self) -> None:
         """The receiver was replaced (a rebuilt draft): the next message sends it all."""
         self._sent.clear()

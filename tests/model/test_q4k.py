@@ -242,6 +242,42 @@ def test_greedy_speculation_with_a_q4k_target_equals_plain(q4k_pair, tmp_path):
     assert sum(o.spec.rejections for o in out.values()) > 0  # the draft disagrees
 
 
+def test_the_prefix_cache_in_the_served_formats_changes_no_token(q4k_pair, tmp_path):
+    """A q4k target and an int4 draft, as served: follow-up turns that reuse their history,
+    alone and in a batch, give the tokens of the same engine without the cache."""
+    from conftest import make_perturbed_copy
+
+    from specdec.engine.engine import EngineConfig
+
+    gguf_path, src = q4k_pair
+    target = Decoder.from_checkpoint(gguf_path, "q4k")
+    far = make_perturbed_copy(src, tmp_path / "far-draft", 0.2, 3)
+    draft = Decoder.from_checkpoint(far, "int4")
+
+    def engine(on: bool) -> Engine:
+        return Engine(LocalTargetRunner(target, 6, 192),
+                      {"draft": DraftModelProposer(draft, 6, 192, "probabilistic",
+                                                   prefix_cache=on)},
+                      None, (), EngineConfig(prefix_cache=on, max_tokens_per_step=48))
+
+    on, off = engine(True), engine(False)
+    firsts = random_prompts((30, 9, 17), seed=9)
+    outs = {}
+    for e in (on, off):
+        got = e.run([Request(f"a{i}", p, greedy(20), "draft", 3)
+                     for i, p in enumerate(firsts)])
+        outs[e] = [got[f"a{i}"].token_ids for i in range(3)]
+    assert outs[on] == outs[off]
+    follow = [firsts[i] + outs[on][i] + [4, 5, 6] for i in range(3)]
+    for e in (on, off):   # the batch, then one of them alone
+        got = e.run([Request(f"b{i}", p, greedy(20), "draft", 3) for i, p in enumerate(follow)])
+        alone = e.run([Request("c", follow[1] + [7], greedy(20), "draft", 3)])["c"]
+        outs[e] = ([got[f"b{i}"].token_ids for i in range(3)], alone.token_ids,
+                   [got[f"b{i}"].cached_tokens for i in range(3)] + [alone.cached_tokens])
+    assert outs[on][:2] == outs[off][:2]
+    assert all(n >= 9 for n in outs[on][2]) and not any(outs[off][2])
+
+
 def test_q4k_resolves_to_a_batch_independent_format():
     fmt = resolve_format("q4k")
     assert fmt.q4k and fmt.per_row

@@ -79,7 +79,8 @@ def serve_steps(policy: EnginePolicy, machine: Machine, n: int,
     """n steps of one row; the k of each, None for a probe step (ends: when each ended)."""
     engine, ks = OneRowEngine(), []
     for _ in range(n):
-        k = policy.choose_k(engine, engine.req, engine.spec, 1)
+        k = policy.choose_k(engine, engine.req, engine.spec, 1,
+                            catchup=engine.tokens - engine.draft_seen)
         probing = policy.probing() is not None
         verify = machine.step(1 + k)
         drafting = machine.draft(k, 1) if k else 0.0
@@ -367,6 +368,74 @@ def test_a_draft_probe_drafts_twice_and_only_the_second_round_is_priced():
         machine.now += 0.17
     assert list(policy.draft_round_cost.live) == [(float(k), 1.0)]
     assert sum(policy.probes.values()) == 1  # one probe, two steps
+
+
+def catchup_calibrated(machine: Machine, per_token: float = 0.002) -> EnginePolicy:
+    """A policy calibrated on the quiet machine, with one round that first caught the draft
+    up on a 256-token prompt (what specdec/engine/calibrate.py runs)."""
+    policy = new_policy(machine)
+    calibrate(policy, quiet_step, quiet_draft)
+    drafting = quiet_draft(2, 1) + 256 * per_token
+    policy.calibrate_step(StepRecord(rows=1, tokens=3, draft_s=drafting,
+                                     verify_s=quiet_step(3), draft_rows=1, draft_k=2,
+                                     draft_model_s=drafting, step_s=quiet_step(3) + drafting,
+                                     draft_catchup=256))
+    return policy
+
+
+def test_a_long_prompt_with_a_short_reply_runs_plain_without_the_drafts_catch_up():
+    """1,200 prompt tokens the draft has not seen cost it 2.4 s here; 48 tokens at ~1.3x save
+    about a second: plain, and no probe makes this row draft either."""
+    machine = Machine()
+    policy = catchup_calibrated(machine)
+    light = {"running": 0, "waiting": 0, "free_slots": 8}
+    short = policy.admit(light, ["draft"], 1200, 48, False, Overrides(), catchup=1200)
+    assert short.mode == "plain" and short.why == "catchup", short.reason
+    # Nothing of the prompt to catch up on (the draft's cache holds it): speculates.
+    warm = policy.admit(light, ["draft"], 1200, 48, False, Overrides(), catchup=2)
+    assert warm.mode == "speculative"
+    # Running, with a probe due: the row with its 1,200 unseen tokens stays plain.
+    engine = OneRowEngine()
+    engine.req = Request("r", [1] * 1200, greedy(48), "draft", 0)
+    engine.tokens, engine.draft_seen = 1210, 0
+    machine.now += 100.0  # every shape is stale: a probe is due
+    ks, probes = [], []
+    for _ in range(3):
+        ks.append(policy.choose_k(engine, engine.req, engine.spec, 1, catchup=1210))
+        probes.append(policy.probing())
+        engine.steps += 1
+    assert ks == [0, 0, 0] and probes[0] is not None
+
+
+def test_a_long_reply_after_a_long_prompt_still_speculates():
+    machine = Machine()
+    policy = catchup_calibrated(machine)
+    light = {"running": 0, "waiting": 0, "free_slots": 8}
+    d = policy.admit(light, ["draft"], 1200, 2000, False, Overrides(), catchup=1200)
+    assert d.mode == "speculative", d.reason
+    engine = OneRowEngine()
+    engine.req = Request("r", [1] * 1200, greedy(2000), "draft", 0)
+    ks = []
+    for _ in range(3):  # (the first step may be a probe of the plain step)
+        ks.append(policy.choose_k(engine, engine.req, engine.spec, 1, catchup=1200))
+        engine.steps += 1
+    assert max(ks) > 0, ks
+    # "on" pays any catch-up: the request asked for speculation.
+    asked = policy.admit(light, ["draft"], 1200, 8, False, Overrides(mode="on"), catchup=1200)
+    assert asked.mode == "speculative"
+
+
+def test_the_catch_up_cost_is_learned_from_live_rounds():
+    machine = Machine()
+    policy = catchup_calibrated(machine, per_token=0.002)
+    assert abs(policy._catchup_seconds(1000) - 2.0) < 0.05
+    drafting = quiet_draft(2, 1) + 500 * 0.0005
+    for _ in range(5):  # the live machine catches up four times faster
+        policy.observe_step(StepRecord(rows=1, tokens=3, draft_s=drafting,
+                                       verify_s=quiet_step(3), draft_rows=1, draft_k=2,
+                                       draft_model_s=drafting,
+                                       step_s=quiet_step(3) + drafting, draft_catchup=500))
+    assert abs(policy._catchup_seconds(1000) - 0.5) < 0.05
 
 
 def gpu_eager_step(tokens: int) -> float:

@@ -233,9 +233,28 @@ def test_guesses_trimmed_below_what_was_drafted_keep_the_window_working(pair, ca
     prompts = random_prompts((5, 9, 14), seed=6)
     expected = plain_reference(target, prompts, 40)
     engine = make_engine(target, draft, overlap="on")
-    engine.choose_k = lambda eng, req, spec, running: 6 if eng.steps % 2 else 2
+    engine.choose_k = lambda eng, req, spec, running, **_: 6 if eng.steps % 2 else 2
     with caplog.at_level("WARNING"):
         out = engine.run(requests(prompts, greedy(40), "draft", 6))
     for i, e in enumerate(expected):
         assert out[f"r{i}"].token_ids == e
     assert not [r for r in caplog.records if "draft window failed" in r.getMessage()]
+
+
+def test_the_draft_takes_in_the_prompt_while_the_target_prefills_it(pair):
+    """With compute of its own, the draft's catch-up on a long prompt is hidden: it reads
+    each chunk while the target computes it, so its first round has nothing left to catch
+    up on; and the output is still exactly plain's."""
+    from specdec.engine.engine import EngineConfig
+
+    target, draft = pair
+    prompt = random_prompts((150,), seed=21)[0]
+    engine = make_engine(target, draft, slots=2, overlap="on",
+                         config=EngineConfig(max_tokens_per_step=48))
+    out = engine.run([Request("long", prompt, greedy(20), "draft", 3)])["long"]
+    assert out.token_ids == plain_reference(target, [prompt], 20)[0]
+    steps = list(engine.history)
+    prefill_steps = [r for r in steps if r.prefill_tokens]
+    assert len(prefill_steps) >= 3                 # chunked, each with a draft window
+    first_round = next(r for r in steps if r.draft_rows or (r.overlapped and r.max_k))
+    assert first_round.draft_catchup <= 4, first_round
