@@ -46,6 +46,7 @@ class Tokens:
     prompt_tokens: int
     completion_tokens: int
     k: int                     # the k of the request's latest round
+    cached_tokens: int = 0     # prompt tokens served from the prefix cache
     spec: dict | None = None   # speculation counters, on the final chunk
     error: str | None = None
     error_kind: ErrorKind | None = None

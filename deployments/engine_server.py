@@ -88,7 +88,12 @@ class EngineServer:
 
     def _publish_gauges(self, force: bool = False) -> None:
         draft = self.built.draft
-        self.metrics.gauges(self.engine.load(), draft.available if draft is not None else None,
+        load = self.engine.load()
+        stats = self.engine.prefixes.stats
+        load["prefix"] = {"hits": stats.hits, "copies": stats.copies,
+                          "evictions": stats.evictions,
+                          "held_tokens": self.engine.prefixes.held_tokens()}
+        self.metrics.gauges(load, draft.available if draft is not None else None,
                             self.policy, self.built.methods(), force)
 
     def _deliver(self, out) -> None:
@@ -106,7 +111,8 @@ class EngineServer:
                        token_ids=out.new_token_ids if stream else out.token_ids,
                        finished=out.finished, finish_reason=out.finish_reason,
                        prompt_tokens=out.prompt_tokens, completion_tokens=len(out.token_ids),
-                       k=out.k, spec=out.spec.as_dict() if out.finished else None,
+                       k=out.k, cached_tokens=out.cached_tokens,
+                       spec=out.spec.as_dict() if out.finished else None,
                        error=out.error, error_kind=out.error_kind)
         loop.call_soon_threadsafe(queue.put_nowait, chunk)
 
@@ -172,9 +178,27 @@ class EngineServer:
                             if k != "runs"} or None,
             "started_s": round(self.started_s, 1),
             "memory_mb": await self._memory(),
+            "prefix_cache": self._prefix_cache(),
             "time": time.time(),
         })
         return load
+
+    def _prefix_cache(self) -> dict:
+        """The prefix cache's state and counters, target and draft (docs/metrics.md)."""
+        engine, runtime = self.engine, self.built.spec.runtime
+        held = engine.prefixes.held_tokens() + sum(s.held() for s in
+                                                   list(engine.scheduler.running.values()))
+        draft = self.built.draft
+        report = getattr(draft, "prefix_report", None)
+        return {
+            "enabled": runtime.prefix_cache, "kv_slots": runtime.kv_slots(),
+            "max_running": runtime.max_slots, "max_len": runtime.max_len,
+            "kv_cache_mb": {"target": _kv_mb(self.target.stats),
+                            "draft": _kv_mb(self.draft_group.stats)
+                            if self.draft_group is not None else None},
+            "target": {**engine.prefixes.stats.as_dict(), "held_tokens": held},
+            "draft": report() if report is not None else None,
+        }
 
     async def _memory(self) -> dict:
         """RSS of this replica and of every shard actor (by name), now and at peak."""
@@ -208,3 +232,10 @@ class EngineServer:
         self._stop = True
 
 
+
+
+def _kv_mb(stats: list[dict] | None) -> float | None:
+    """A group's KV cache, all ranks (MB), from what its shards reported at setup."""
+    if not stats:
+        return None
+    return round(sum(r.get("kv_cache_mb", 0.0) for r in stats), 1)

@@ -332,7 +332,8 @@ def _err(exc: APIError) -> dict:
 
 def _usage(final: Tokens | None) -> dict:
     p, c = (final.prompt_tokens, final.completion_tokens) if final else (0, 0)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": final.cached_tokens if final else 0}}
 
 
 # What the client is told for each way a request can fail inside the engine: status, type,

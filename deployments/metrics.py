@@ -73,6 +73,18 @@ class EngineMetrics:
         self.probes = Counter("specdec_policy_probes",
                               "probe steps: a step shape the batch did not run, measured "
                               "(verify while plain, plain while speculating)", tag_keys=("shape",))
+        self.prompt_tokens = Counter("specdec_prompt_tokens", "prompt tokens of finished "
+                                     "requests")
+        self.cached_tokens = Counter("specdec_prefix_cache_reused_tokens", "prompt tokens "
+                                     "whose K/V came from the prefix cache (hit rate: "
+                                     "rate(this) / rate(specdec_prompt_tokens))")
+        self.prefix_events = Counter("specdec_prefix_cache_events", "prefix cache events of "
+                                     "the target: hits (requests that reused a prefix), "
+                                     "copies (reused from another slot), evictions",
+                                     tag_keys=("event",))
+        self.held_tokens = Gauge("specdec_prefix_cache_held_tokens",
+                                 "tokens whose K/V the target's slots hold")
+        self._prefix_seen: dict[str, int] = {}
         self.calibration_noisy = Gauge(
             "specdec_calibration_noisy", "1 when the start-up calibration ran on a busy or "
             "noisy machine (its costs are a prior that live steps replace)")
@@ -111,6 +123,14 @@ class EngineMetrics:
             self.alpha.set(policy.acceptance.alpha(method), tags={"method": method})
         c = policy.draft_cost if policy.draft_cost is not None else policy.config.draft_cost_ratio
         self.draft_cost_ratio.set(c)
+        prefix = load.get("prefix")
+        if prefix is not None:
+            self.held_tokens.set(prefix["held_tokens"])
+            for event in ("hits", "copies", "evictions"):
+                new = prefix[event] - self._prefix_seen.get(event, 0)
+                if new > 0:
+                    self.prefix_events.inc(new, tags={"event": event})
+                    self._prefix_seen[event] = prefix[event]
         for shape, n in policy.probes.items():
             new = n - self._probes_seen.get(shape, 0)
             if new > 0:
@@ -138,6 +158,9 @@ class EngineMetrics:
         for i, n in enumerate(s.accepted_per_position, 1):
             if n:
                 self.pos_accepted.inc(n, tags={"method": m, "position": str(i)})
+        self.prompt_tokens.inc(out.prompt_tokens)
+        if out.cached_tokens:
+            self.cached_tokens.inc(out.cached_tokens)
         if out.queue_s is not None:
             self.queue_seconds.observe(out.queue_s, tags=t)
         if out.ttft_s is not None:

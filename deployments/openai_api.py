@@ -249,10 +249,16 @@ class ChatCompletionRequest(_SamplingFields):
 
 # ---- responses (documented in /openapi.json) ---------------------------------------------
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens whose K/V came from the prefix "
+                               "cache (not computed for this request).")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class SpecDecode(BaseModel):

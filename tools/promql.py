@@ -53,6 +53,8 @@ PER_POSITION = (f"{rate('specdec_spec_position_accepted_total', 'method, positio
 GOODPUT = rate("specdec_generated_tokens_total")
 _SPECULATING = rate("specdec_requests_total", extra='method!="none"')
 SPECULATION_SHARE = f"{_SPECULATING} / {rate('specdec_requests_total')}"
+PREFIX_HIT_RATE = (f"{rate('specdec_prefix_cache_reused_tokens_total')} / "
+                   f"{rate('specdec_prompt_tokens_total')}")
 
 PANELS: tuple[PanelSpec, ...] = (
     PanelSpec("Route mix", "Requests the policy sent plain or speculative, and why "
@@ -91,6 +93,14 @@ PANELS: tuple[PanelSpec, ...] = (
                      "waiting {{replica}}"),
                Query(f"sum by (replica) (ray_specdec_free_kv_slots{{{SEL}}})",
                      "free slots {{replica}}")), "short"),
+    PanelSpec("Prefix cache", "Share of prompt tokens whose K/V came from the cache (a "
+              "conversation's history, a shared system prompt), tokens the target's slots "
+              "hold, and the cache's events per second.",
+              (Query(PREFIX_HIT_RATE, "prompt tokens reused"),
+               Query(f"sum by (replica) (ray_specdec_prefix_cache_held_tokens{{{SEL}}})",
+                     "held tokens {{replica}}"),
+               Query(rate("specdec_prefix_cache_events_total", "event"), "{{event}}/s")),
+              "short"),
     PanelSpec("Draft cost ratio c", "One draft step / one plain target step, as measured: "
               "speculation pays while tokens per round exceed k*c + verify cost.",
               (Query(f"max by (replica) (ray_specdec_policy_draft_cost_ratio{{{SEL}}})",

@@ -75,6 +75,13 @@ def test_killing_the_draft_under_load_fails_nothing_and_speculation_returns(base
     # And requests speculate with it again.
     r = complete(base, speculative={"mode": "on", "method": "draft", "k": 3}).json()
     assert r["spec_decode"]["method"] == "draft" and r["spec_decode"]["rounds"] > 0, r
+    # Its prefix cache went with it: the new draft computes the prompt it saw before the
+    # kill (nothing reused), then holds it for the next request.
+    prefix = httpx.get(f"{base}/health", timeout=30).json()["engine"]["prefix_cache"]["draft"]
+    assert prefix["lookups"] == 1 and prefix["tokens_reused"] == 0, prefix
+    complete(base, speculative={"mode": "on", "method": "draft", "k": 3})
+    prefix = httpx.get(f"{base}/health", timeout=30).json()["engine"]["prefix_cache"]["draft"]
+    assert prefix["lookups"] == 2 and prefix["tokens_reused"] > 0, prefix
     print(f"\ndraft {killed} killed under load: 0 failed of {report['completed']}; "
           f"the draft was back {back_after:.1f}s after the kill")
 

@@ -92,8 +92,33 @@ def test_greedy_speculation_on_equals_off(server, smollm2_path):
         assert on["spec_decode"]["accepted"] > 0  # self-draft: nearly everything is kept
         assert "reason" in auto["spec_decode"] and "inputs" in auto["spec_decode"]
         n = len(tok(prompt).input_ids)
+        # The same prompt a second time: all of it but its last token comes from the cache.
         assert on["usage"] == {"prompt_tokens": n, "completion_tokens": 40,
-                               "total_tokens": n + 40}
+                               "total_tokens": n + 40,
+                               "prompt_tokens_details": {"cached_tokens": n - 1}}
+
+
+def test_a_conversation_is_served_from_its_cached_history(server):
+    """The official client replays a conversation, each turn resending the whole history:
+    every later turn reports the earlier turns as cached prompt tokens, as OpenAI's usage
+    does, and /health counts the reuse."""
+    _, base = server
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+    messages = [{"role": "system", "content": "You are a helpful assistant."}]
+    cached, prompts = [], []
+    for question in ("What is a list in Python?", "And a tuple?", "Which is faster?"):
+        messages.append({"role": "user", "content": question})
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                           temperature=0)
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+        prompts.append(r.usage.prompt_tokens)
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+    assert cached[0] < prompts[0]
+    # Each later turn: all of the last turn's prompt at least came from the cache.
+    assert cached[1] >= prompts[0] and cached[2] >= prompts[1], (cached, prompts)
+    prefix = httpx.get(f"{base}/health", timeout=30).json()["engine"]["prefix_cache"]
+    assert prefix["enabled"] and prefix["target"]["hits"] >= 2
+    assert prefix["kv_cache_mb"]["target"] > 0
 
 
 def test_chat_on_equals_off(server):
@@ -248,6 +273,10 @@ def test_lost_target_gives_503_then_serves_again(server):
 
     import threading
 
+    remembered = "Remember this sentence, please:"
+    for _ in range(2):
+        held = complete(client, prompt=remembered, max_tokens=4).json()["usage"]
+    assert held["prompt_tokens_details"]["cached_tokens"] > 0
     t = threading.Thread(target=long_request)
     t.start()
     deadline = time.monotonic() + 30
@@ -276,6 +305,9 @@ def test_lost_target_gives_503_then_serves_again(server):
         time.sleep(0.2)
     load = client.get("/health").json()["engine"]
     assert load["target_down"] is None and load["target_last_rebuild_s"] > 0
+    # The new group's slots hold nothing of what the old one held: no reuse is claimed.
+    usage = complete(client, prompt=remembered, max_tokens=4).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
     print(f"\ntarget shard {latest} killed mid-request: 503 after {ended_s:.1f}s, serving "
           f"again {time.monotonic() - killed_at:.1f}s after the kill ({statuses.count(503)} "
           f"requests refused meanwhile; rebuild {load['target_last_start']})")
