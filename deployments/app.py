@@ -31,6 +31,12 @@ def build_app(args: dict):
     cfg = parse_args(args)
     bundles, _, _ = bundles_for(cfg.engine, replica_cpus=cfg.replica_cpus)
     auto = cfg.engine_autoscaling
+    routing = {}
+    if cfg.engine_routing == "prefix_affinity":
+        routing["request_router_config"] = {
+            "request_router_class": "deployments.prefix_router:PrefixAffinityRouter",
+            # About as many prompts per replica as its slots hold conversations.
+            "request_router_kwargs": {"remembered": 2 * cfg.engine.runtime.kv_slots()}}
     engine = serve.deployment(EngineServer, name="Engine").options(
         ray_actor_options={"num_cpus": cfg.replica_cpus},
         placement_group_bundles=bundles,
@@ -41,7 +47,7 @@ def build_app(args: dict):
             "target_ongoing_requests": auto.target_ongoing_requests,
             "upscale_delay_s": auto.upscale_delay_s,
             "downscale_delay_s": auto.downscale_delay_s},
-        health_check_period_s=10, health_check_timeout_s=60,
+        health_check_period_s=10, health_check_timeout_s=60, **routing,
     ).bind(cfg.engine.model_dump(), cfg.replica_cpus)
     return Ingress.options(num_replicas=cfg.ingress_replicas,
                           max_ongoing_requests=cfg.ingress_max_ongoing_requests,

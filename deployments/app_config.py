@@ -8,6 +8,8 @@ see deployments/app.py)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from specdec.engine.spec import EngineSpec
@@ -45,6 +47,13 @@ class AppArgs(BaseModel):
                                     "sets none.")
     engine_autoscaling: Autoscaling = Field(default_factory=Autoscaling,
                                             description="Serve autoscaling of the engine.")
+    engine_routing: Literal["prefix_affinity", "least_loaded"] = Field(
+        "prefix_affinity", description=(
+            "How requests are spread over engine replicas. prefix_affinity: to the replica "
+            "that was sent the longest prefix of the prompt (a conversation's earlier "
+            "turns), unless it is busier than the least loaded one by more than 4 queued "
+            "requests; else, and with least_loaded always, Serve's power of two choices "
+            "(deployments/prefix_router.py)."))
     replica_cpus: float = Field(0.0, ge=0, description="CPUs the engine replica itself "
                                 "reserves (its loop; the models are in their own actors).")
     ingress_cpus: float = Field(0.0, ge=0, validation_alias=AliasChoices(

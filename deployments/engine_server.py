@@ -38,6 +38,7 @@ class EngineServer:
         # routes nothing to it, `serve status` is not RUNNING) before they are done, and
         # meanwhile the router answers 503 with the phase reported here.
         ctx = serve.get_replica_context()
+        self.replica_tag = ctx.replica_tag  # reported with every decision (which replica served)
         startup = StartupReporter(ctx.app_name, ctx.replica_tag)
         try:
             self.built = assemble(spec, RayBackend(pg, replica_cpus if pg is not None else None),
@@ -136,7 +137,7 @@ class EngineServer:
                 self.metrics.refused(kind)
                 yield Refused(kind, str(exc), exc.param)
                 return
-            yield Decided(decision.as_dict())
+            yield Decided({**decision.as_dict(), "replica": self.replica_tag})
             self.metrics.admitted(decision.method)  # a standby request counts as plain
             self._wake.set()
             while True:

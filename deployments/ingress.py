@@ -206,6 +206,7 @@ class IngressServer:
                 "engine_s": final.engine_s if final else None,
                 "k_last_round": final.k if final else None, "reason": decision["reason"],
                 "standby": decision.get("standby"),
+                "replica": decision.get("replica"),  # the engine replica that served it
                 "inputs": decision["inputs"],
                 "expected_speedup": round(decision["expected_speedup"], 3),
                 **{key: s.get(key) for key in ("rounds", "drafted", "accepted",
