@@ -88,7 +88,8 @@ def test_every_panel_returns_data_and_acceptance_agrees_with_responses(stack):
     # panels count; an unknown model is a 404.
     with concurrent.futures.ThreadPoolExecutor(48) as pool:
         results = list(pool.map(one, range(48)))
-    results += [one(i) for i in range(48, 60)]
+    # Then one at a time, each prompt twice: the second is served from the prefix cache.
+    results += [one(i) for i in range(48, 60) for _ in range(2)]
     assert httpx.post(f"{base}/v1/completions", json={"model": "nope", "prompt": "w5"},
                       timeout=30).status_code == 404
     ok = [r["body"] for r in results if r["status"] == 200]
