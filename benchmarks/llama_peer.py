@@ -45,14 +45,15 @@ _NO_REPACK = False
 class LlamaServer:
     """One llama-server process (ours to stop, by its PID)."""
 
-    def __init__(self, model: Path, args: list[str], threads: int, slots: int = 1) -> None:
+    def __init__(self, model: Path, args: list[str], threads: int, slots: int = 1,
+                 ctx_per_slot: int = 4096) -> None:
         exe = llama_bin()
         if exe is None:
             raise FileNotFoundError("llama-server is not built: run `make peer`")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [str(exe), "-m", str(model), "-t", str(threads), "-tb", str(threads),
-                    "-c", str(4096 * slots), "-np", str(slots), "--host", "127.0.0.1",
+                    "-c", str(ctx_per_slot * slots), "-np", str(slots), "--host", "127.0.0.1",
                     "--port", str(self.port), "--no-webui", *args]
         # Set when the peer only runs with its weight repacking off (see _NO_REPACK).
         self.fallback: str | None = None

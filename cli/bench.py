@@ -21,7 +21,8 @@ def _run(benchmark: str):
 
 
 _bench_core, _bench_decode, _bench_tp, _bench_served, _bench_formats, _bench_load, \
-    _bench_serve = map(_run, ("core", "decode", "tp", "served", "formats", "load", "serve"))
+    _bench_serve, _bench_chat = map(_run, ("core", "decode", "tp", "served", "formats", "load",
+                                           "serve", "chat"))
 
 
 def _args_core(bench) -> None:
@@ -115,6 +116,27 @@ def _args_served(bench) -> None:
     b_sd.set_defaults(func=_bench_served)
 
 
+def _args_chat(bench) -> None:
+    b_ch = bench.add_parser(
+        "chat", help="what chat users send: a conversation resending its history, long "
+                     "prompts, memory; ours served beside llama-server")
+    b_ch.add_argument("--config", default="serve_config.yaml",
+                      help="the application config to serve (as users get it)")
+    b_ch.add_argument("--modes", nargs="+", default=["auto", "off", "on"],
+                      choices=["auto", "off", "on"], help="our speculative modes")
+    b_ch.add_argument("--peer-spec", nargs="*", default=["ngram-mod"],
+                      help="llama-server --spec-type modes beside its plain (draft-simple "
+                           "loads the draft)")
+    b_ch.add_argument("--sizes", type=int, nargs="+", default=[0, 512, 1024, 1800],
+                      help="prompt sizes in tokens (0: a short prompt)")
+    b_ch.add_argument("--max-tokens", type=int, default=128)
+    b_ch.add_argument("--repeats", type=int, default=2)
+    b_ch.add_argument("--threads", type=int, default=None, help="llama-server's threads")
+    b_ch.add_argument("--no-peer", action="store_true")
+    b_ch.add_argument("--json", metavar="PATH", default=None)
+    b_ch.set_defaults(func=_bench_chat)
+
+
 def _args_load(bench) -> None:
     b_ld = bench.add_parser("load", help="many streaming clients for a while: failures, "
                                          "latency, memory, queue drain")
@@ -163,6 +185,7 @@ def add_bench(sub) -> None:
     _args_decode(bench)
     _args_serve(bench)
     _args_served(bench)
+    _args_chat(bench)
     _args_load(bench)
     _args_formats(bench)
     _args_tp(bench)
