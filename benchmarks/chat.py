@@ -59,14 +59,14 @@ def _expand(text: str) -> str:
     return text
 
 
-def long_prompt(tok, tokens: int, run: int) -> list[int]:
+def long_prompt(tok, tokens: int, label: str) -> list[int]:
     """A source file cut to about `tokens` tokens with a question, new to the server (its
-    first line names the run)."""
+    first line names the system and the run)."""
     lines = (ROOT / LONG_FILE).read_text().splitlines()
     ask = "Explain what each function of this file does, one line each."
     best = None
     for n in range(1, len(lines) + 1):
-        code = f"# revision {run}\n" + "\n".join(lines[:n])
+        code = f"# revision {label}\n" + "\n".join(lines[:n])
         ids = chat_ids(tok, [{"role": "user", "content":
                               f"```python\n{code}\n```\n{ask}"}])
         if len(ids) > tokens:
@@ -133,10 +133,14 @@ def _llama(url: str, ids: list[int], max_tokens: int, ignore_eos: bool) -> dict:
 # ---- workloads ------------------------------------------------------------------------
 
 class Conversation:
-    """One system's conversation: its own replies go into its next turns' history."""
+    """One system's conversation: its own replies go into its next turns' history. Its system
+    message names the system and the run, so no other system's requests (ours in another
+    mode share one server's cache) and no earlier run hold a prefix of it beyond the chat
+    template's first tokens."""
 
-    def __init__(self, send) -> None:
-        self.send, self.messages, self.rows = send, [], []
+    def __init__(self, send, label: str) -> None:
+        self.send, self.rows = send, []
+        self.messages = [{"role": "system", "content": f"You are a coding assistant ({label})."}]
 
     def turn(self, tok, n: int, max_tokens: int) -> None:
         self.messages.append({"role": "user", "content": _expand(TURNS[n])})
@@ -152,15 +156,16 @@ def interleaved(systems: dict, tok, args, progress) -> dict[str, tuple[list, lis
     longs: dict[str, list[dict]] = {name: [] for name in systems}
     for rep in range(args.repeats):
         for name, send in systems.items():
-            convs[name].append(Conversation(send))
+            convs[name].append(Conversation(send, f"{name}, run {rep}"))
         for n in range(len(TURNS)):
             for name in systems:
                 convs[name][-1].turn(tok, n, args.max_tokens)
                 progress.advance()
         for size in args.sizes:
-            ids = long_prompt(tok, size, rep) if size else \
-                chat_ids(tok, [{"role": "user", "content": f"{SHORT} (take {rep})"}])
             for name, send in systems.items():
+                label = f"{name}, run {rep}"
+                ids = long_prompt(tok, size, label) if size else \
+                    chat_ids(tok, [{"role": "user", "content": f"({label}) {SHORT}"}])
                 r = send(ids, args.max_tokens, True)
                 longs[name].append({"size": size, **{k: v for k, v in r.items()
                                                      if k != "text"}})

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.model import kquant_choice, token_attention
+from specdec.model import invariant_layers, kquant_choice, token_attention
+from specdec.model.activation import silu_mul
 from specdec.model.batch import BatchInput, logits_at
 from specdec.model.config import DecoderConfig
 from specdec.model.embedding import BlockEmbedding, table_bytes
@@ -98,6 +99,8 @@ class Decoder:
         # rank 0, so no logits cross between ranks. Set by the group with gather_vocab.
         self.argmax_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._rotary: Rotary | None = None
+        # The batch-invariant formats' layers through our kernels (invariant_layers.py).
+        self._invariant_layers = invariant_layers.usable(self)
 
     # ---- construction -------------------------------------------------------------------
 
@@ -245,11 +248,14 @@ class Decoder:
         # verify's several queries change the kernel's blocking by ~1e-7, and an int8
         # rounding boundary turns that into a different token.
         attn = _PerTokenPlan(batch) if self.format.per_row else _AttentionPlan(batch)
-        for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.w["in_norm"], layer.eps)
-            x = x + self._attention(i, layer, h, batch, attn, cache, rotary)
-            h = _rms_norm(x, layer.w["post_norm"], layer.eps)
-            x = x + self._mlp(layer, h)
+        if self._invariant_layers:
+            x = invariant_layers.run_layers(self, x.contiguous(), batch, attn, cache, rotary)
+        else:
+            for i, layer in enumerate(self.layers):
+                h = _rms_norm(x, layer.w["in_norm"], layer.eps)
+                x = x + self._attention(i, layer, h, batch, attn, cache, rotary)
+                h = _rms_norm(x, layer.w["post_norm"], layer.eps)
+                x = x + self._mlp(layer, h)
         h = _rms_norm(x[logits_at(logit_indices, batch, x.device)], self.norm,
                       self.cfg.rms_norm_eps)
         if self.lm_head is None:  # no projection loaded
@@ -307,8 +313,8 @@ class Decoder:
         return keys, values
 
     def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
-        gate, up = layer.w["gate_up"](h).chunk(2, dim=-1)
-        out = self.all_reduce(layer.w["down"](F.silu(gate) * up))
+        act = silu_mul(layer.w["gate_up"](h), row_invariant=self.format.per_row)
+        out = self.all_reduce(layer.w["down"](act))
         return out if layer.w["down_b"] is None else out + layer.w["down_b"]
 
 

@@ -109,3 +109,11 @@ def attention():
     this CPU on first use (KernelUnavailable if it cannot be)."""
     load("token_attention")
     return torch.ops.specdec_attention
+
+
+@functools.cache
+def rows():
+    """torch.ops.specdec_rows (row-parallel elementwise ops a batch-invariant model needs),
+    built for this CPU on first use (KernelUnavailable if it cannot be)."""
+    load("row_ops")
+    return torch.ops.specdec_rows

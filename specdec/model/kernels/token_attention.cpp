@@ -1,5 +1,7 @@
 // Attention for tokens that each attend alone, one op per layer: specdec_attention::attend
-// (and its scalar form, ::attend_reference, bit-identical to it).
+// (and its scalar form, ::attend_reference, bit-identical to it); ::attend_rotary first
+// applies the rotary embedding to the layer's fused q|k|v and writes k and v into the cache
+// (what a layer otherwise spends a dozen small ATen ops per step on).
 //
 // Every token's query heads attend over the first n keys of its own KV slot (n = its
 // position + 1). A batch-invariant target (q4k, int8) needs a token's attention to be the
@@ -427,6 +429,84 @@ at::Tensor attend_reference(const at::Tensor& q, const at::Tensor& k, const at::
   return attend_impl(q, k, v, slot, n_keys, scale, true);
 }
 
+// The rotary embedding of one head (rotate-half form): out = x cos + rotate_half(x) sin.
+inline void rotate(const float* x, const float* c, const float* sn, int64_t D, float* out) {
+  const int64_t h = D / 2;
+  for (int64_t d = 0; d < h; ++d) out[d] = x[d] * c[d] - x[d + h] * sn[d];
+  for (int64_t d = h; d < D; ++d) out[d] = x[d] * c[d] + x[d - h] * sn[d];
+}
+
+template <typename KV>
+void rotate_and_store(const float* qkv, const float* cos, const float* sin,
+                      const std::vector<int64_t>& pos, const std::vector<int64_t>& slot,
+                      int64_t T, int64_t nq, int64_t nkv, int64_t D, int64_t L, float* q_out,
+                      KV* kc, KV* vc) {
+  const int64_t width = (nq + 2 * nkv) * D;
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    alignas(64) float row[MAX_D];
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* x = qkv + t * width;
+      const float* c = cos + pos[t] * D;
+      const float* sn = sin + pos[t] * D;
+      for (int64_t h = 0; h < nq; ++h) rotate(x + h * D, c, sn, D, q_out + (t * nq + h) * D);
+      for (int64_t h = 0; h < nkv; ++h) {
+        const int64_t at = ((slot[t] * L + pos[t]) * nkv + h) * D;
+        rotate(x + (nq + h) * D, c, sn, D, row);
+        const float* vx = x + (nq + nkv + h) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          kc[at + d] = static_cast<KV>(row[d]);
+          vc[at + d] = static_cast<KV>(vx[d]);
+        }
+      }
+    }
+  });
+}
+
+at::Tensor attend_rotary(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& positions, at::Tensor k, at::Tensor v,
+                         const at::Tensor& slot, const at::Tensor& n_keys, int64_t n_q,
+                         int64_t n_kv, double scale) {
+  TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.sizes() == k.sizes() && v.is_contiguous()
+              && v.scalar_type() == k.scalar_type()
+              && (k.scalar_type() == at::kHalf || k.scalar_type() == at::kFloat),
+              "attend_rotary: k and v must be contiguous [slots, len, kv heads, dim] float16 "
+              "or float32");
+  const int64_t S = k.size(0), L = k.size(1), D = k.size(3);
+  TORCH_CHECK(k.size(2) == n_kv && n_q > 0 && n_kv > 0 && D % 2 == 0,
+              "attend_rotary: head counts do not match the cache");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous()
+              && qkv.size(1) == (n_q + 2 * n_kv) * D,
+              "attend_rotary: qkv must be a contiguous [tokens, (q + 2 kv heads) * dim] float32");
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(1) == D
+              && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat
+              && cos.is_contiguous() && sin.is_contiguous(),
+              "attend_rotary: cos and sin must be contiguous [positions, dim] float32");
+  const int64_t T = qkv.size(0);
+  TORCH_CHECK(positions.dim() == 1 && positions.numel() == T
+              && positions.scalar_type() == at::kLong && slot.numel() == T
+              && slot.scalar_type() == at::kLong,
+              "attend_rotary: positions and slot must be [tokens] int64");
+  auto pc = positions.contiguous(), sc = slot.contiguous();
+  std::vector<int64_t> pos(pc.data_ptr<int64_t>(), pc.data_ptr<int64_t>() + T);
+  std::vector<int64_t> sl(sc.data_ptr<int64_t>(), sc.data_ptr<int64_t>() + T);
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < L && pos[t] < cos.size(0), "attend_rotary: token ", t,
+                " at position ", pos[t], " beyond the cache or the rotary table");
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "attend_rotary: token ", t, " has slot ", sl[t]);
+  }
+  at::Tensor q = at::empty({T, n_q, D}, qkv.options());
+  if (k.scalar_type() == at::kHalf) {
+    rotate_and_store(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), pos,
+                     sl, T, n_q, n_kv, D, L, q.data_ptr<float>(), k.data_ptr<c10::Half>(),
+                     v.data_ptr<c10::Half>());
+  } else {
+    rotate_and_store(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), pos,
+                     sl, T, n_q, n_kv, D, L, q.data_ptr<float>(), k.data_ptr<float>(),
+                     v.data_ptr<float>());
+  }
+  return attend_impl(q, k, v, slot, n_keys, scale, false).view({T, n_q * D});
+}
+
 bool simd() { return SPECDEC_ATTN_SIMD; }
 
 }  // namespace
@@ -434,10 +514,13 @@ bool simd() { return SPECDEC_ATTN_SIMD; }
 TORCH_LIBRARY(specdec_attention, m) {
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor slot, Tensor n_keys, float scale) -> Tensor");
   m.def("attend_reference(Tensor q, Tensor k, Tensor v, Tensor slot, Tensor n_keys, float scale) -> Tensor");
+  m.def("attend_rotary(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k, "
+        "Tensor(b!) v, Tensor slot, Tensor n_keys, int n_q, int n_kv, float scale) -> Tensor");
   m.def("simd() -> bool", &simd);
 }
 
 TORCH_LIBRARY_IMPL(specdec_attention, CPU, m) {
   m.impl("attend", &attend);
   m.impl("attend_reference", &attend_reference);
+  m.impl("attend_rotary", &attend_rotary);
 }
