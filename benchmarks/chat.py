@@ -163,7 +163,7 @@ def interleaved(systems: dict, tok, args, progress) -> dict[str, tuple[list, lis
                 progress.advance()
         for size in args.sizes:
             for name, send in systems.items():
-                label = f"{name}, run {rep}"
+                label = f"{name}, run {rep}, size {size}"  # cold: no prefix of another
                 ids = long_prompt(tok, size, label) if size else \
                     chat_ids(tok, [{"role": "user", "content": f"({label}) {SHORT}"}])
                 r = send(ids, args.max_tokens, True)

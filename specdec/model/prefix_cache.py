@@ -1,10 +1,11 @@
 """Which tokens each KV slot holds, so that context is paid for once.
 
 A finished sequence's K/V stay in its slot until the slot is needed again (least recently
-used first). A new sequence takes the free slot holding the longest prefix of its tokens and
-computes only the rest (llama-server's slot choice, `cache_prompt`). Beyond that, a prefix
-held by a slot in use (a conversation's other branch, the same system prompt being served
-right now) is copied into the new sequence's slot: a copy of n tokens' K/V costs
+used first). A new sequence takes the free slot holding the longest prefix of its tokens, if
+it continues most of what that slot holds, and computes only the rest (llama-server's slot
+choice, `cache_prompt`). Beyond that, a prefix held by any other slot, in use or not (a
+conversation's other branch, the same system prompt being served right now) is copied into
+the new sequence's slot: a copy of n tokens' K/V costs
 milliseconds where recomputing them costs a prefill. vLLM and SGLang share such prefixes
 block by block without copying; here a slot is one contiguous run of positions (what the
 static and captured steps and the token-attention kernel read), so a shared prefix is
@@ -28,6 +29,9 @@ import numpy as np
 # A prefix held elsewhere is copied only when it beats what the chosen slot holds by this
 # many tokens: below that, recomputing a few tokens costs about what the copy does.
 COPY_MIN_TOKENS = 16
+# A free slot is continued in place only by a sequence that shares at least this share of
+# what it holds (llama-server's --slot-prompt-similarity, 0.5 by default, is the same idea).
+IN_PLACE_SHARE = 0.5
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -92,22 +96,28 @@ class PrefixCache:
         cap = max(len(ids) - 1, 0)
         self.stats.lookups += 1
         self.stats.prompt_tokens += len(ids)
-        lru = min(free, key=lambda s: (self._used[s], s))  # (never used: the lowest first)
+        # The slot to give up when nothing held is continued in place: an empty one first,
+        # else the one used longest ago (never used: the lowest first).
+        lru = min(free, key=lambda s: (len(self._held[s]) > 0, self._used[s], s))
         if not self.enabled or cap == 0:
             return self._take(Choice(lru, 0), ids)
+        # In place: a free slot whose content this sequence mostly continues (a
+        # conversation's next turn). Taking one that only shares a few tokens (a chat
+        # template's head) would throw away another conversation to save those few.
         best, reuse = lru, 0
         for s in free:
             n = min(common_prefix(ids, self._held[s]), cap)
-            if n > reuse or (n == reuse and n and self._used[s] > self._used[best]):
+            continues = n >= IN_PLACE_SHARE * len(self._held[s])
+            if continues and (n > reuse or (n == reuse and n and self._used[s] > self._used[best])):
                 best, reuse = s, n
+        # Elsewhere: any slot, running or free, whose prefix is worth a copy.
         source, copied = None, 0
-        for s, held in (running or {}).items():
+        for s, held in [*((f, self._held[f]) for f in free), *(running or {}).items()]:
             n = min(common_prefix(ids, held), cap)
             if n > copied:
                 source, copied = s, n
-        if source is not None and copied >= reuse + COPY_MIN_TOKENS:
-            # Into the least recently used free slot: its content is the one least likely
-            # to be asked for again.
+        if source is not None and source != lru and copied >= reuse + COPY_MIN_TOKENS:
+            # Into the slot given up: its content is the one least likely to be asked for.
             return self._take(Choice(lru, copied, copy_from=source), ids)
         if reuse == 0:
             return self._take(Choice(lru, 0), ids)

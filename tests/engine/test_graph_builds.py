@@ -5,6 +5,8 @@ policy off that shape until something else probed it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from engine_helpers import BIG_QUEUE, greedy, load, random_prompts
 
@@ -23,9 +25,11 @@ def _engine(target_path, draft_path, compile: bool) -> Engine:
     def step(path):
         return StaticDecoder(load(path), compile=compile, backend="eager")
 
+    # Without the prefix cache: the same requests again must do the same work (the cache
+    # would turn their prefills into one-token steps, other buckets).
     return Engine(LocalTargetRunner(step(target_path), 4, 128),
-                  {"draft": DraftModelProposer(step(draft_path), 4, 128)}, None, (),
-                  BIG_QUEUE)
+                  {"draft": DraftModelProposer(step(draft_path), 4, 128, prefix_cache=False)},
+                  None, (), dataclasses.replace(BIG_QUEUE, prefix_cache=False))
 
 
 def _run(engine: Engine, prefix: str) -> list[StepRecord]:

@@ -57,9 +57,19 @@ def test_a_miss_and_a_partial_hit(tiny_llama):
     _run(off, "a", p)
     unrelated = [x % 90 + 4 for x in reversed(p)]
     assert _run(on, "b", unrelated).cached_tokens == 0
-    partial = p[:12] + random_prompts((9,), seed=3)[0]
+    # Most of what a slot holds (30 + 16 output tokens): continued in place.
+    partial = p[:25] + random_prompts((9,), seed=3)[0]
     a, b = _run(on, "c", partial), _run(off, "c", partial)
-    assert a.cached_tokens == 12 and a.token_ids == b.token_ids
+    assert a.cached_tokens == 25 and a.token_ids == b.token_ids
+    # A smaller share of a slot: copied out, the slot kept for its own conversation.
+    copies = on.prefixes.stats.copies
+    small = partial[:20] + [5, 6, 7]
+    a, b = _run(on, "d", small), _run(off, "d", small)
+    assert a.cached_tokens == 20 and a.token_ids == b.token_ids
+    assert on.prefixes.stats.copies == copies + 1
+    # A few tokens in common are recomputed, not worth giving up a slot for.
+    tiny = partial[:5] + [9, 9, 9, 9]
+    assert _run(on, "e", tiny).cached_tokens == 0
 
 
 def test_eviction_under_pressure_keeps_the_most_recent(tiny_llama):

@@ -73,3 +73,17 @@ def test_turned_off_or_cleared_it_reuses_nothing():
     pc.clear()
     assert pc.choose([1, 2, 3, 4], free=[0, 1]).reuse == 0
     assert pc.held_tokens() == 0
+
+
+def test_a_few_shared_tokens_never_cost_another_conversation_its_slot():
+    """Two conversations share a chat template's head; the second takes an empty slot
+    instead of overwriting the first one's history to save those tokens."""
+    pc = PrefixCache(3)
+    head = [1, 2, 3]
+    first = pc.choose(head + [10] * 40, free=[0, 1, 2])
+    pc.release(first.slot, head + [10] * 60)
+    second = pc.choose(head + [20] * 40, free=[0, 1, 2])
+    assert second.slot != first.slot and second.reuse == 0
+    pc.release(second.slot, head + [20] * 60)
+    again = pc.choose(head + [10] * 70, free=[0, 1, 2])
+    assert again.slot == first.slot and again.reuse == 63
