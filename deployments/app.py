@@ -3,13 +3,15 @@ here, at deploy time, so a bad config fails with a message naming the field."""
 
 from __future__ import annotations
 
+import os
+
 from pydantic import ValidationError
 from ray import serve
 
 from deployments.actors.placement import bundles_for
 from deployments.app_config import AppArgs
 from deployments.engine_server import EngineServer
-from deployments.ingress import Ingress
+from deployments.ingress import Ingress, api_key_from
 from specdec.errors import ConfigError
 
 
@@ -29,6 +31,7 @@ def _as_written(loc: tuple) -> tuple:
 
 def build_app(args: dict):
     cfg = parse_args(args)
+    api_key_from(os.environ, cfg.api_key)  # a set but empty key fails the deploy, not later
     bundles, _, _ = bundles_for(cfg.engine, replica_cpus=cfg.replica_cpus)
     auto = cfg.engine_autoscaling
     routing = {}

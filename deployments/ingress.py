@@ -43,7 +43,7 @@ from deployments.openai_api import (
     validation_message,
 )
 from deployments.startup import waiting_for
-from specdec.errors import ErrorKind
+from specdec.errors import ConfigError, ErrorKind
 from specdec.model.sampling import SamplingParams
 from specdec.pack.hub import resolve
 from specdec.pack.tokenizer import chat_ids, load_tokenizer
@@ -97,6 +97,26 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return error_response(500, "internal error; see the server log", "server_error")
 
 
+# The most characters a token of any tokenizer here spans (runs of spaces and repeated
+# symbols included), generously: the character cap is the context times this.
+CHARS_PER_TOKEN = 64
+HEALTH_TTL_S = 1.0
+MIN_API_KEY = 8
+
+
+def api_key_from(environ, configured: str | None) -> str | None:
+    """SPECDEC_API_KEY when set, else the config's api_key. Set but empty or short, it is a
+    mistake that would leave the service open: refused."""
+    value = environ.get("SPECDEC_API_KEY")
+    if value is None:
+        return configured
+    if len(value.strip()) < MIN_API_KEY:
+        what = "empty" if not value.strip() else f"shorter than {MIN_API_KEY} characters"
+        raise ConfigError(f"SPECDEC_API_KEY is set but {what}: set a real key, or unset it "
+                          "to serve without one")
+    return value.strip()
+
+
 class IngressServer:
     def __init__(self, engine, args: dict) -> None:
         self.args = AppArgs.model_validate(args)
@@ -107,7 +127,8 @@ class IngressServer:
         self.metrics = IngressMetrics()
         global _metrics
         _metrics = self.metrics
-        self.api_key = os.environ.get("SPECDEC_API_KEY") or self.args.api_key
+        self.api_key = api_key_from(os.environ, self.args.api_key)
+        self._health: tuple[float, dict] | None = None  # (when, the engine's answer)
         # One thread: tokenizers are not safe to share across threads, and the point is
         # only to keep the event loop free.
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, "tokenize")
@@ -125,7 +146,9 @@ class IngressServer:
         (or a fuzzer) learns them instead of guessing."""
         if self._openapi is None:
             schema = get_openapi(title=api.title, version=api.version, routes=api.routes)
-            names = sorted({self.model_name, self.args.engine.target.model})
+            # The served name only: the target's reference (a local path, perhaps) is still
+            # taken as an alias, but not advertised on a public route.
+            names = [self.model_name]
             for request in ("CompletionRequest", "ChatCompletionRequest"):
                 schema["components"]["schemas"][request]["properties"]["model"]["enum"] = names
             self._openapi = schema
@@ -173,6 +196,15 @@ class IngressServer:
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    def _check_chars(self, n_chars: int, param: str) -> None:
+        """Refuse a prompt that cannot fit the context whatever its tokens, before spending
+        the tokenizer's time on it (a 3.9 MB prompt took 2 s, and other requests waited)."""
+        limit = self.max_len * CHARS_PER_TOKEN
+        if n_chars > limit:
+            raise APIError(400, f"{param} has {n_chars} characters; the context of "
+                                f"{self.max_len} tokens cannot hold more than about {limit}",
+                           param=param, code="context_length_exceeded")
 
     def _prepare(self, req, prompt_ids: list[int], prompt_param: str) -> GenerateCall:
         if not prompt_ids:
@@ -370,7 +402,7 @@ class Ingress(IngressServer):
             return JSONResponse(status_code=503, headers={"Retry-After": RETRY_AFTER_S},
                                 content={"status": "starting", "reason": exc.message})
         try:
-            load = await asyncio.wait_for(self.engine.load.remote(), timeout=5)
+            load = await self._engine_load()
         except Exception as exc:  # noqa: BLE001
             return JSONResponse(status_code=503, headers={"Retry-After": RETRY_AFTER_S},
                                 content={"status": "unavailable",
@@ -382,6 +414,14 @@ class Ingress(IngressServer):
         if not self._authorize(request):
             return {"status": "ok"}
         return {"status": "ok", "model": self.model_name, "engine": load}
+
+    async def _engine_load(self) -> dict:
+        """The engine's state, asked at most once a second (a public route must not make
+        every actor answer per request)."""
+        now = time.monotonic()
+        if self._health is None or now - self._health[0] > HEALTH_TTL_S:
+            self._health = (now, await asyncio.wait_for(self.engine.load.remote(), timeout=5))
+        return self._health[1]
 
     @api.get("/openapi.json", include_in_schema=False)
     async def openapi(self) -> dict:
@@ -399,6 +439,7 @@ class Ingress(IngressServer):
     async def completions(self, body: CompletionRequest, request: Request):
         await self._check(request, body)
         if isinstance(body.prompt, str):
+            self._check_chars(len(body.prompt), "prompt")
             ids = (await self._off_loop(self.tokenizer, body.prompt)).input_ids
         else:
             ids = list(body.prompt)
@@ -414,6 +455,7 @@ class Ingress(IngressServer):
     async def chat(self, body: ChatCompletionRequest, request: Request):
         await self._check(request, body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
 
         def template():
             return chat_ids(self.tokenizer, messages)

@@ -43,6 +43,7 @@ class RayDraftProposer:
                                        "prefix_cache": runtime.prefix_cache})
         self.runtime = runtime
         self.stats = self.group.start()
+        self.vocab_size = self.stats[0]["vocab_size"]  # its embedding rows
         self.sender = ContextSender()
         self._released: list[str] = []
         # What the draft actor's slots hold, as far as this side can tell: the contexts it

@@ -88,6 +88,11 @@ def check_spec(spec: EngineSpec, target_path: Path, draft_path: Path | None) -> 
                               f"{field} model supports ({limit} tokens)")
     if draft_path is not None:
         vl = spec.draft.vocab_limit
+        t_vocab, d_vocab = groups[0][2].vocab_size, groups[1][2].vocab_size
+        if d_vocab > t_vocab:
+            # Its guesses could name ids the target has no row for.
+            raise ConfigError(f"draft.model: its vocabulary ({d_vocab} ids) exceeds the "
+                              f"target's ({t_vocab})")
         if vl is not None and vl > groups[1][2].vocab_size:
             raise ConfigError(f"draft.vocab_limit: {vl} exceeds the draft's vocabulary "
                               f"({groups[1][2].vocab_size})")

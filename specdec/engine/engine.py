@@ -49,6 +49,10 @@ class Engine:
         self.config = config or EngineConfig()
         # The policy hook: revisit k between rounds (default: the request's own k).
         self.choose_k = choose_k
+        # Ids every model has an embedding row for (a draft may have fewer than its target).
+        self.vocab_size = min([target.vocab_size] + [
+            v for v in (getattr(p, "vocab_size", None) for p in self.proposers.values())
+            if v is not None])
         self.scheduler = Scheduler(target.max_slots, self.config.max_waiting,
                                    self.config.max_running, self.config.prefix_cache)
         self.prefixes = self.scheduler.prefixes
@@ -75,6 +79,13 @@ class Engine:
         n, m, limit = len(req.prompt_ids), req.params.max_tokens, self.target.max_len
         if n == 0:
             raise EngineError("prompt is empty")
+        vocab = self.vocab_size
+        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            # Refused here, not in the batched forward, where it would fail every request of
+            # the step.
+            raise EngineError(f"prompt holds token ids outside the models' vocabulary "
+                              f"(0..{vocab - 1}): {bad[:5]}", param="prompt")
         if n + m > limit:  # the request's own fault: 400, not a capacity problem
             raise EngineError(
                 f"prompt ({n} tokens) + max_tokens ({m}) exceeds the context limit of {limit} "
@@ -179,6 +190,10 @@ class Engine:
                 seq.spec.draft_s += rec.draft_s
             seq.spec.verify_s += rec.verify_s
             res = by_id[row.seq_id]
+            if res.error is not None:  # this row alone failed; the others go on
+                outputs.append(self._finish(seq, "error", error=res.error,
+                                            kind=ErrorKind.INTERNAL))
+                continue
             settled = self._settled(seq, res, resolved, heads, window_out)
             rec.emitted += len(res.tokens) + (1 if settled else 0)
             outputs.append(self._advance(seq, row, res, settled))

@@ -1,8 +1,10 @@
 """Incremental detokenization with stop strings.
 
-The whole output is decoded each step (outputs are short next to the model's cost), stop
-strings are searched in the new part, and text that might still turn into a stop string or
-is an incomplete UTF-8 sequence is held back from the stream until it is settled.
+Each step decodes only the tokens since the text last settled, with a few tokens before them
+for context (vLLM's prefix and read offsets): decoding the whole output every step made a
+long reply quadratic. Stop strings are searched in the new part, and text that might still
+turn into a stop string or is an incomplete UTF-8 sequence is held back from the stream until
+it is settled.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ class Detokenizer:
         self.ids: list[int] = []
         self.text = ""
         self.sent = 0  # characters of text already streamed
+        # Text settled for ids[:_read] (no half character at its end); the next decode
+        # starts at ids[_prefix], a few tokens back, so the tokenizer sees their context.
+        self._settled, self._prefix, self._read = "", 0, 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -29,7 +34,11 @@ class Detokenizer:
         text (with stops "abc" and "b", tokens a, b, c: "b" completes first, text "a")."""
         before = len(self.text)
         self.ids.extend(new_ids)
-        self.text = self._decode(self.ids)
+        context = self._decode(self.ids[self._prefix:self._read])
+        tail = self._decode(self.ids[self._prefix:])[len(context):]
+        self.text = self._settled + tail
+        if tail and not tail.endswith("\ufffd"):
+            self._settled, self._prefix, self._read = self.text, self._read, len(self.ids)
         if not self.stop:
             return None
         longest = max(len(s) for s in self.stop)

@@ -164,7 +164,14 @@ class Decoder:
         if with_lm_head or shard.world > 1:
             tied = cfg.tie_word_embeddings or not ck.has("lm_head.weight")
             rows = shard.vocab_rows(n_out)
-            table = embed[rows.start:rows.stop] if tied else weight("lm_head.weight", rows=rows)
+            if not tied:
+                table = weight("lm_head.weight", rows=rows)
+            elif fmt.q4k:
+                # The tied table's own blocks, as the file stores them: through its floats
+                # they would be rounded to Q4_K a second time.
+                table = weight("model.embed_tokens.weight", rows=rows)
+            else:
+                table = embed[rows.start:rows.stop]
             lm_head = fmt.linear(table)
         norm = get("model.norm.weight")
         if hasattr(ck, "release"):
@@ -269,7 +276,11 @@ class Decoder:
         logits = self.lm_head(h).float()
         if self.shard.world > 1:
             return self.argmax_vocab(logits) if argmax else self.gather_vocab(logits)
-        return logits.argmax(-1) if argmax else logits
+        if not argmax:
+            return logits
+        # A row whose values went non-finite (a NaN anywhere upstream) has no argmax: -1,
+        # which the target's step turns into that request's error.
+        return torch.where(torch.isfinite(h).all(-1), logits.argmax(-1), -1)
 
     __call__ = forward
 

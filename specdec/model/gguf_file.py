@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from specdec.model.architectures import SUPPORTED_ARCHITECTURES, UnsupportedModel
-from specdec.model.gguf_header import GGUFHeader, plain
+from specdec.model.gguf_header import GGUFFormatError, GGUFHeader, plain
 from specdec.model.gguf_quants import dequantize, type_name
 
 # Hugging Face name (after "model.layers.{i}.") -> GGUF name (after "blk.{i}.").
@@ -78,6 +78,21 @@ def metadata(path: str | Path, key: str, default=None):
     return _field(_reader(str(path)), key, default)
 
 
+def _number(r: GGUFHeader, key: str, default=None, kind=int, low=1):
+    """A numeric metadata value, checked: present (or defaulted), a number, >= low."""
+    value = r.fields.get(key)
+    if value is None:
+        if default is None:
+            raise GGUFFormatError(f"{r.path.name}: metadata {key!r} is missing")
+        return default
+    if isinstance(value, (bool, str, list, np.ndarray)) or not np.isscalar(value):
+        raise GGUFFormatError(f"{r.path.name}: metadata {key!r} is {value!r}, not a number")
+    value = kind(value)
+    if not value >= low:  # (NaN fails too)
+        raise GGUFFormatError(f"{r.path.name}: metadata {key!r} is {value}, below {low}")
+    return value
+
+
 def config_dict(path: str | Path) -> dict:
     """The metadata as a Hugging Face config.json dict (what DecoderConfig reads)."""
     r = _reader(str(path))
@@ -91,27 +106,37 @@ def config_dict(path: str | Path) -> dict:
         raise UnsupportedModel(f"{Path(path).name}: rope scaling {scaling!r} is not "
                                "supported (only none)")
     names = {t.name for t in r.tensors}
-    heads = int(_field(r, f"{arch}.attention.head_count"))
-    hidden = int(_field(r, f"{arch}.embedding_length"))
+    heads = _number(r, f"{arch}.attention.head_count")
+    hidden = _number(r, f"{arch}.embedding_length")
+    heads_kv = _number(r, f"{arch}.attention.head_count_kv", heads)
+    if heads % heads_kv:
+        raise GGUFFormatError(f"{Path(path).name}: {heads} attention heads over {heads_kv} "
+                              "kv heads")
     tokens = r.fields.get("tokenizer.ggml.tokens")
-    embd = next(t for t in r.tensors if t.name == "token_embd.weight")
+    embd = next((t for t in r.tensors if t.name == "token_embd.weight"), None)
+    if embd is None or len(embd.shape) != 2:
+        raise GGUFFormatError(f"{Path(path).name}: no 2-d token_embd.weight tensor")
     cfg = {
         "model_type": arch,
         "vocab_size": int(embd.shape[1]) if tokens is None else len(tokens),
         "hidden_size": hidden,
-        "intermediate_size": int(_field(r, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_field(r, f"{arch}.block_count")),
+        "intermediate_size": _number(r, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _number(r, f"{arch}.block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(r, f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(_field(r, f"{arch}.attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(_field(r, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(_field(r, f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_field(r, f"{arch}.context_length", 4096)),
+        "num_key_value_heads": heads_kv,
+        "head_dim": _number(r, f"{arch}.attention.key_length", max(hidden // heads, 1)),
+        "rms_norm_eps": _number(r, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, float,
+                                0.0),
+        "rope_theta": _number(r, f"{arch}.rope.freq_base", 10000.0, float, 1e-6),
+        "max_position_embeddings": _number(r, f"{arch}.context_length", 4096),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names and arch != "qwen2",
         "bos_token_id": _field(r, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(r, "tokenizer.ggml.eos_token_id"),
     }
+    if cfg["vocab_size"] < 1 or cfg["vocab_size"] != int(embd.shape[1]):
+        raise GGUFFormatError(f"{Path(path).name}: {cfg['vocab_size']} tokenizer tokens but "
+                              f"token_embd.weight has {embd.shape[1]} rows")
     window = _field(r, f"{arch}.attention.sliding_window")
     if window:
         cfg["sliding_window"] = int(window)
@@ -126,6 +151,24 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Each tensor the decoder reads, by GGUF name, in GGUF order (the fastest-varying
+    dimension first), as the config says it must be."""
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    out = {"token_embd.weight": (h, v), "output.weight": (h, v), "output_norm.weight": (h,)}
+    for i in range(cfg["num_hidden_layers"]):
+        b = f"blk.{i}."
+        out.update({b + "attn_norm.weight": (h,), b + "ffn_norm.weight": (h,),
+                    b + "attn_q.weight": (h, q), b + "attn_k.weight": (h, kv),
+                    b + "attn_v.weight": (h, kv), b + "attn_output.weight": (q, h),
+                    b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,),
+                    b + "ffn_gate.weight": (h, inter), b + "ffn_up.weight": (h, inter),
+                    b + "ffn_down.weight": (inter, h)})
+    return out
+
+
 class GGUFCheckpoint:
     """The same interface as specdec.model.weights.CheckpointReader, over one GGUF file."""
 
@@ -134,6 +177,17 @@ class GGUFCheckpoint:
         self._r = _reader(str(self.path))
         self._tensors = {t.name: t for t in self._r.tensors}
         cfg = config_dict(self.path)
+        # Every tensor the decoder will read has the shape the config says (a wrong one
+        # would otherwise surface as a reshape error deep inside a layer, or load quietly).
+        for name, want in expected_shapes(cfg).items():
+            t = self._tensors.get(name)
+            if t is not None and tuple(int(d) for d in t.shape) != want:
+                raise GGUFFormatError(
+                    f"{self.path.name}: tensor {name!r} has shape {tuple(t.shape)}; a "
+                    f"{cfg['model_type']} of hidden size {cfg['hidden_size']}, "
+                    f"{cfg['num_attention_heads']}/{cfg['num_key_value_heads']} heads of "
+                    f"{cfg['head_dim']}, MLP width {cfg['intermediate_size']} and "
+                    f"{cfg['vocab_size']} tokens needs {want}")
         self._permute = {}
         if cfg["model_type"] in ("llama", "mistral"):
             self._permute = {"attn_q": cfg["num_attention_heads"],
@@ -155,7 +209,7 @@ class GGUFCheckpoint:
         key = gguf_name(name)
         t = self._tensors.get(key)
         if t is None:
-            raise KeyError(f"{self.path.name} has no tensor {key!r} (for {name!r})")
+            raise GGUFFormatError(f"{self.path.name} has no tensor {key!r} (for {name!r})")
         shape = tuple(int(x) for x in reversed(t.shape))
         raw = np.asarray(t.data).view(np.uint8).reshape(shape[0] if len(shape) > 1 else 1, -1)
         return key, t, shape, raw

@@ -34,6 +34,11 @@ class KQuantLinear(Linear):
 
     def eager(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if shape[-1] != self.in_features:
+            # (The kernel takes any width up to its blocks': a narrower input would read as
+            # zeros, silently.)
+            raise ValueError(f"{type(self).__name__}: input of width {shape[-1]}, the layer "
+                             f"takes {self.in_features}")
         x = x.reshape(-1, shape[-1])
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()

@@ -139,6 +139,7 @@ class DraftModelProposer:
         if q_top_m is not None and q_top_m < 1:
             raise ValueError("draft q_top_m must be >= 1")
         self.q_top_m = q_top_m
+        self.vocab_size = model.cfg.vocab_size  # its embedding rows: the ids it can read
         self.window_threads: int | None = None  # threads of a background window (overlap)
         self.vocab_limit = vocab_limit
         self.model = model

@@ -46,6 +46,13 @@ class TargetResult:
     tokens: list[int]          # kept drafts, then the corrected or bonus token
     num_accepted: int
     deferred: bool = False     # all kept and no bonus drawn: resolve() emits that token
+    error: str | None = None   # the row failed (its values went non-finite): no tokens
+
+NON_FINITE = "the model's values for this request became non-finite (NaN or infinity)"
+
+
+def _failed(seq_id: str) -> TargetResult:
+    return TargetResult(seq_id, [], 0, error=NON_FINITE)
 
 
 @dataclasses.dataclass
@@ -128,6 +135,9 @@ def _greedy_rows(rows: list[TargetRow], best: list[int],
         guesses = r.tokens[len(r.tokens) - n:] if n else []
         target = best[off: off + n + 1]
         off += n + 1
+        if min(target) < 0:
+            out.append(_failed(r.seq_id))
+            continue
         kept = 0
         while kept < n and guesses[kept] == target[kept]:
             kept += 1
@@ -184,11 +194,17 @@ def _sample_rows(rows: list[TargetRow], logits: torch.Tensor,
         best = target[torch.arange(R, device=dev), n_d].argmax(-1)
     else:
         best = torch.zeros(R, dtype=torch.long, device=dev)
-    packed = torch.cat([out, emitted.unsqueeze(1), best.unsqueeze(1)], 1).tolist()  # the copy
+    # A row whose logits went non-finite fails alone (its flag rides in the same copy).
+    finite = torch.isfinite(logits.amax(-1))[at_d].all(-1).to(out.dtype)  # (amax keeps NaN)
+    packed = torch.cat([out, emitted.unsqueeze(1), best.unsqueeze(1), finite.unsqueeze(1)],
+                       1).tolist()  # the copy
     results = []
     for b, r in enumerate(rows):
         n, kept = r.num_draft, packed[b][: k + 1]
         emitted_b, best_b = packed[b][k + 1], packed[b][k + 2]
+        if not packed[b][k + 3]:
+            results.append(_failed(r.seq_id))
+            continue
         if r.defer_last and emitted_b == n + 1 and deferred is not None:
             # All kept: keep p at the next position instead of the bonus drawn from it.
             deferred[r.seq_id] = best_b if row_params[b].greedy else target[b, n]

@@ -52,14 +52,32 @@ def _key(source: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def _private_dir(path: Path) -> Path:
+    """`path`, created owner-only, refused if anyone else could have put code in it: a
+    shared library found here is loaded into the process, so a directory owned by another
+    user, or writable by group or others, could hand us theirs."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for d in (path, path.parent):
+        st = d.stat()
+        if st.st_uid != os.getuid():
+            raise KernelUnavailable(f"the kernel cache {d} belongs to uid {st.st_uid}, not to "
+                                    "this user: not loading code from it (set SPECDEC_CACHE "
+                                    "to a directory of your own)")
+        if st.st_mode & 0o022:
+            raise KernelUnavailable(f"the kernel cache {d} is writable by others (mode "
+                                    f"{st.st_mode & 0o777:o}): not loading code from it "
+                                    f"(chmod go-w {d})")
+    return path
+
+
 @functools.cache
 def load(name: str) -> None:
     """Build (or find built) kernels/<name>.cpp and register its ops with torch."""
     source = _HERE / f"{name}.cpp"
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise KernelUnavailable(f"no C++ compiler to build the {name} kernel")
-    build_dir = _cache_root() / f"{name}-{_key(source)}"
-    build_dir.mkdir(parents=True, exist_ok=True)
+    build_dir = _private_dir(_cache_root()) / f"{name}-{_key(source)}"
+    build_dir.mkdir(exist_ok=True, mode=0o700)
     # ninja comes with the package (PyPI's wheel puts it beside this interpreter), which a
     # Ray worker's PATH may not include.
     bin_dir = str(Path(sys.executable).parent)

@@ -38,6 +38,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -67,11 +69,15 @@ struct Quantized {
   const float* scale;    // [M][nb]
   const int16_t* sums;   // [M][nb][8]
   const int32_t* sums16; // [M][nb][16], times 32
+  const char* weights_end;  // (the packed weights' end: no prefetch asks past it)
 };
 
 // x: [M][Kx]; q: [M][K], K = Kx rounded up to whole blocks (the weights' zero padding).
+// A row holding a NaN or an infinity is marked in `bad` (its output is NaN: garbage in must
+// not come out as plausible logits); a block whose largest magnitude is below 1e-30 (whose
+// scale would overflow) quantizes to zeros.
 void quantize_rows(const float* x, int64_t M, int64_t Kx, int64_t K, int8_t* q, float* scale,
-                   int16_t* sums, int32_t* sums16) {
+                   int16_t* sums, int32_t* sums16, uint8_t* bad) {
   const int64_t nb = K / QK;
   at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
     alignas(64) float pad[QK];
@@ -86,13 +92,21 @@ void quantize_rows(const float* x, int64_t M, int64_t Kx, int64_t K, int8_t* q, 
         }
         int8_t* qb = q + r * K + b * QK;
         float amax = 0.f;
-        for (int64_t t = 0; t < QK; ++t) amax = std::max(amax, std::fabs(xb[t]));
-        const float iscale = amax > 0.f ? 127.f / amax : 0.f;
-        scale[r * nb + b] = amax / 127.f;
+        bool finite = true;
+        for (int64_t t = 0; t < QK; ++t) {
+          finite &= std::isfinite(xb[t]);
+          amax = std::max(amax, std::fabs(xb[t]));
+        }
+        if (!finite) {
+          bad[r] = 1;
+          amax = 0.f;
+        }
+        const float iscale = amax > 1e-30f ? 127.f / amax : 0.f;
+        scale[r * nb + b] = iscale > 0.f ? amax / 127.f : 0.f;
         for (int64_t j = 0; j < 8; ++j) {
           int half[2] = {0, 0};
           for (int64_t t = 0; t < 32; ++t) {
-            const int v = static_cast<int>(std::nearbyint(xb[j * 32 + t] * iscale));
+            const int v = iscale > 0.f ? static_cast<int>(std::nearbyint(xb[j * 32 + t] * iscale)) : 0;
             qb[j * 32 + t] = static_cast<int8_t>(v);
             half[t / 16] += v;
           }
@@ -203,7 +217,9 @@ void tile_simd(const uint8_t* tile, int64_t nb, const Quantized& xq, int64_t K, 
       // (the next tile's, past this tile's end: a thread's tiles are contiguous), 5 of its
       // 37 lines per sub-block. The hardware prefetcher alone left a step at ~26 GB/s.
       const char* ahead = reinterpret_cast<const char*>(w + PREFETCH_BLOCKS * BLOB + j * 320);
-      for (int l = 0; l < 5; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+      if (ahead + 64 * 5 <= xq.weights_end) {
+        for (int l = 0; l < 5; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+      }
       __m512i lo[4], hi[4];
       for (int p = 0; p < 4; ++p) {
         const __m512i v = _mm512_loadu_si512(qj + 64 * p);
@@ -265,7 +281,9 @@ void tile6_simd(const uint8_t* tile, int64_t nb, const Quantized& xq, int64_t K,
     for (int64_t j = 0; j < 8; ++j) {
       const uint8_t* qj = w + j * 256;
       const char* ahead = reinterpret_cast<const char*>(w + PREFETCH_BLOCKS * BLOB6 + j * 448);
-      for (int l = 0; l < 7; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+      if (ahead + 64 * 7 <= xq.weights_end) {
+        for (int l = 0; l < 7; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+      }
       const __m512i h0 = _mm512_loadu_si512(w + OFF6_H + j * 128);
       const __m512i h1 = _mm512_loadu_si512(w + OFF6_H + j * 128 + 64);
       __m512i lo[4], hi[4];
@@ -348,6 +366,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   const int64_t M = x.size(0), Kx = x.size(1), nb = packed.size(1), tiles = packed.size(0);
   const int64_t K = nb * QK;  // the weights' columns, zero-padded to whole blocks
   TORCH_CHECK(Kx <= K && K - Kx < QK, op, ": x has ", Kx, " columns, the weights ", K);
+  TORCH_CHECK(packed.numel() > 0, op, ": no weights");
   TORCH_CHECK(N > (tiles - 1) * TILE && N <= tiles * TILE, op, ": N does not fit the tiles");
   const float* bptr = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -361,11 +380,13 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   at::Tensor scale = at::empty({M, nb}, x.options());
   at::Tensor sums = at::empty({M, nb, 8}, x.options().dtype(at::kShort));
   at::Tensor sums16 = at::empty({M, nb, 16}, x.options().dtype(at::kInt));
+  std::vector<uint8_t> bad(M, 0);
   quantize_rows(x.data_ptr<float>(), M, Kx, K, q.data_ptr<int8_t>(), scale.data_ptr<float>(),
-                sums.data_ptr<int16_t>(), sums16.data_ptr<int32_t>());
-  const Quantized xq{q.data_ptr<int8_t>(), scale.data_ptr<float>(), sums.data_ptr<int16_t>(),
-                     sums16.data_ptr<int32_t>()};
+                sums.data_ptr<int16_t>(), sums16.data_ptr<int32_t>(), bad.data());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const Quantized xq{q.data_ptr<int8_t>(), scale.data_ptr<float>(), sums.data_ptr<int16_t>(),
+                     sums16.data_ptr<int32_t>(),
+                     reinterpret_cast<const char*>(wp + packed.numel())};
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     alignas(64) float out[MAX_ROWS * TILE];
@@ -392,6 +413,9 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t N,
       }
     }
   });
+  for (int64_t r = 0; r < M; ++r) {
+    if (bad[r]) std::fill(yp + r * N, yp + (r + 1) * N, std::numeric_limits<float>::quiet_NaN());
+  }
   return y;
 }
 
