@@ -66,13 +66,17 @@ def plain_reference(target, prompts, max_tokens=24):
     return plain_generate(load(target), prompts, greedy(max_tokens)).token_ids
 
 
-def first_three_counts(engine_factory, method, k, n, temperature, seed0):
+def first_three_counts(engine_factory, method, k, n, temperature, seed0=None):
+    """Counts of the first three tokens of n requests. seed0 None: unseeded requests (the
+    rejection rule); else seeds seed0 + i (the seeded race)."""
     engine = engine_factory()
     prompt = [5, 17, 33, 8]
     # max_tokens 4: the first token comes from the prefill, tokens 2-3 from one round of
     # k = 2 drafts (its bonus token is the 4th, not compared).
     reqs = [Request(f"s{i}", prompt, SamplingParams(temperature=temperature, max_tokens=4,
-                                                    ignore_eos=True, seed=seed0 + i), method, k)
+                                                    ignore_eos=True,
+                                                    seed=None if seed0 is None else seed0 + i),
+                    method, k)
             for i in range(n)]
     outs = engine.run(reqs)
     return collections.Counter(tuple(o.token_ids[:3]) for o in outs.values()), engine

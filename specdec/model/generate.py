@@ -12,6 +12,7 @@ import torch
 from specdec.model.batch import BatchInput
 from specdec.model.decoder import Decoder
 from specdec.model.sampling import SamplingParams, make_generator, sample, warp_probs
+from specdec.model.seeded import race_keys, race_pick
 
 
 @dataclasses.dataclass
@@ -44,7 +45,14 @@ def plain_generate(model: Decoder, prompts: Sequence[Sequence[int]],
     while live:
         logits = model(BatchInput.build(rows, model.device), cache)
         probs = warp_probs(logits, [params[i] for i in live])
-        toks = sample(probs, [gens[i] for i in live]).tolist()
+        toks = sample(probs, [gens[i] for i in live])
+        # Seeded rows: the seeded race at the position being produced (seeded.py).
+        raced = [j for j, i in enumerate(live) if params[i].raced]
+        if raced:
+            keys = race_keys([(params[live[j]].seed, len(prompts[live[j]]) + len(out[live[j]]))
+                              for j in raced])
+            toks[raced] = race_pick(probs[raced], keys.to(probs.device)).to(toks.device)
+        toks = toks.tolist()
         if prefill_s is None:
             prefill_s = time.perf_counter() - t0
         rows, still = [], []

@@ -42,13 +42,33 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def raced(self) -> bool:
+        """A seeded sampled request: its tokens come from the seeded race
+        (specdec/model/seeded.py), verified by equality like greedy ones."""
+        return self.seed is not None and not self.greedy
+
+
+# Where unseeded requests' streams take their seeds: the OS's entropy, unless a test made
+# them repeatable (seed_unseeded). Seeded requests use no stream (specdec/model/seeded.py).
+_unseeded: torch.Generator | None = None
+
+
+def seed_unseeded(seed: int | None) -> None:
+    """Make the streams of unseeded requests in this process repeatable from `seed` (None:
+    the OS's entropy again)."""
+    global _unseeded
+    _unseeded = None if seed is None else torch.Generator().manual_seed(seed)
+
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     g = torch.Generator(device=device)
-    if seed is None:
-        g.seed()
-    else:
+    if seed is not None:
         g.manual_seed(seed)
+    elif _unseeded is not None:
+        g.manual_seed(int(torch.randint(0, 1 << 62, (), generator=_unseeded)))
+    else:
+        g.seed()
     return g
 
 

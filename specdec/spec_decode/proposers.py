@@ -17,9 +17,10 @@ import torch
 from specdec.model.batch import BatchInput
 from specdec.model.decoder import Decoder
 from specdec.model.draft_loop import loop_decoder, run_loop
-from specdec.model.host_copy import to_device
+from specdec.model.host_copy import to_device, to_device_all
 from specdec.model.prefix_cache import PrefixCache, PrefixStats, common_prefix
 from specdec.model.sampling import SamplingParams, draw_with_uniform, make_generator, warp_probs
+from specdec.model.seeded import race_keys, race_pick_among
 from specdec.model.static_step import graph_builds
 from specdec.spec_decode.overlap import ThreadWindow
 from specdec.spec_decode.proposal import DraftWindow, Proposal, ProposeInput
@@ -235,7 +236,8 @@ class DraftModelProposer:
             if step and should_stop is not None and should_stop():
                 break
             picks, ids, probs, conf = self._forward_and_pick(
-                rows, [dparams[b] for b in live], None if u is None else u[live, step])
+                rows, [dparams[b] for b in live], None if u is None else u[live, step],
+                [len(inputs[b].context) + step for b in live])
             sure = self._sure(conf)
             next_rows, next_live = [], []
             for j, b in enumerate(live):
@@ -259,7 +261,8 @@ class DraftModelProposer:
         warp one the loop traces (temperature only), every guess inside the cache."""
         k = max(i.k for i in inputs)
         return (self._loop is not None
-                and all(p.greedy or (p.top_k == 0 and p.top_p == 1) for p in dparams)
+                and all(p.greedy or (p.top_k == 0 and p.top_p == 1 and not p.raced)
+                        for p in dparams)
                 and all(len(i.context) + k - 1 <= self.cache.max_len for i in inputs))
 
     @staticmethod
@@ -300,12 +303,15 @@ class DraftModelProposer:
                 out.append((g.picks[b][:n], list(g.q_ids[b, :n]), list(g.q_probs[b, :n])))
         return out
 
-    def _forward_and_pick(self, rows, dparams: list[SamplingParams], u: torch.Tensor | None):
+    def _forward_and_pick(self, rows, dparams: list[SamplingParams], u: torch.Tensor | None,
+                          positions: list[int]):
         """One draft forward over `rows` and each row's next guess: (picks, q ids, q probs,
         confidence), the q parts None for greedy rows. Guesses come only from the first
         vocab_limit ids (q is zero elsewhere): exact still; the projection was narrowed to
         them at construction. Greedy guesses need only the argmax ids (a reduction under
-        TP; one-hot q), unless the confidence rule wants the guess's probability."""
+        TP; one-hot q), unless the confidence rule wants the guess's probability. A seeded
+        row guesses the winner of its seeded race under q at positions[j], the token the
+        target's race under p will most likely choose (specdec/model/seeded.py)."""
         greedy = all(p.greedy for p in dparams)
         ids_only = greedy and self.confidence_threshold is None
         logits = self.model(BatchInput.build(rows, self.model.device), self.cache,
@@ -316,7 +322,13 @@ class DraftModelProposer:
             best = logits.argmax(-1)
             return best.tolist(), None, None, self._greedy_confidence(logits, best)
         ids, probs = self._top_m(warp_probs(logits, dparams))
-        local = draw_with_uniform(probs, to_device(u, probs.device)).unsqueeze(1)
+        local = draw_with_uniform(probs, to_device(u, probs.device))
+        raced = [j for j, p in enumerate(dparams) if p.raced]
+        if raced:
+            at, keys = to_device_all([torch.tensor(raced), race_keys(
+                [(dparams[j].seed, positions[j]) for j in raced])], probs.device)
+            local[at] = race_pick_among(ids[at], probs[at], keys)
+        local = local.unsqueeze(1)
         picks = ids.gather(1, local).squeeze(1)
         conf = probs.gather(1, local).squeeze(1)
         if self.confidence_threshold is not None and any(p.greedy for p in dparams):

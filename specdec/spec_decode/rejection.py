@@ -10,7 +10,8 @@ probability p(x); the residual max(0, p - one-hot(x)) is p with x removed. The s
 covers both, so one code path serves them.
 
 Greedy rows (temperature 0) use the argmax rule: keep while x_i == argmax p_i, replace the
-first mismatch by argmax p_i. No random numbers are consumed for them.
+first mismatch by argmax p_i. No random numbers are consumed for them. Seeded rows use the
+same rule against their race winners (`choice`; specdec/model/seeded.py says why).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def rejection_sample(
     num_draft: torch.Tensor | None = None,
     greedy: torch.Tensor | None = None,
     uniforms: torch.Tensor | None = None,
+    choice: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify a batch of drafts.
 
@@ -66,6 +68,8 @@ def rejection_sample(
     num_draft [B]: each row's own k (rows of one batch may differ; padding is ignored).
     greedy [B] bool: rows decided by the argmax rule.
     uniforms [B, k+1]: the draws, made beforehand (row_uniforms); then generator is unused.
+    choice [B, k+1]: the token a greedy row must match at each position (default: argmax
+    p); a seeded row's race winners (specdec/model/seeded.py), verified like greedy.
     Returns (output_token_ids [B, k+1] with -1 after the last emitted token, num_emitted [B]).
     """
     B, k = draft_token_ids.shape
@@ -79,7 +83,7 @@ def rejection_sample(
         greedy = torch.zeros(B, dtype=torch.bool, device=device)
     x = draft_token_ids.clamp(min=0)
     u = _uniforms(num_draft, k + 1, generator, device) if uniforms is None else uniforms
-    target_argmax = target_probs.argmax(-1)  # [B, k+1]
+    target_argmax = target_probs.argmax(-1) if choice is None else choice  # [B, k+1]
     num_accepted = _accepted_counts(x, draft_probs, target_probs, target_argmax, u[:, :k],
                                     num_draft, greedy)
     final = _final_token(x, draft_probs, target_probs, target_argmax, u[:, k], num_accepted,

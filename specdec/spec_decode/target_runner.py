@@ -19,6 +19,7 @@ from specdec.model.decoder import Decoder
 from specdec.model.host_copy import to_device, to_device_all
 from specdec.model.kv_cache import KVCache
 from specdec.model.sampling import SamplingParams, make_generator, warp_probs
+from specdec.model.seeded import race_key, race_pick
 from specdec.model.static_step import graph_builds
 from specdec.spec_decode.calls import CallStats
 from specdec.spec_decode.rejection import rejection_sample, row_uniforms
@@ -176,22 +177,30 @@ def _sample_rows(rows: list[TargetRow], logits: torch.Tensor,
         if r.num_draft:
             drafts[b, : r.num_draft] = torch.tensor(r.tokens[-r.num_draft:])
     q_ids, q_probs = _draft_q(rows, drafts)
+    # Seeded rows are verified by equality with their race winners, like greedy rows.
+    by_rule = [p.greedy or p.raced for p in row_params]
+    raced = _raced(rows, row_params)
     # Everything the host built crosses in one copy per dtype (host_copy.py: why).
-    at_d, drafts_d, n_d, greedy_d, u_d, *q_d = to_device_all(
-        [torch.tensor(at), drafts, torch.tensor(num_draft),
-         torch.tensor([p.greedy for p in row_params]),
-         row_uniforms(num_draft, k + 1, [generators[r.seq_id] for r in rows]),
+    at_d, drafts_d, n_d, greedy_d, u_d, raced_d, *q_d = to_device_all(
+        [torch.tensor(at), drafts, torch.tensor(num_draft), torch.tensor(by_rule),
+         row_uniforms(num_draft, k + 1, [generators[r.seq_id] for r in rows]), raced,
          *([] if q_ids is None else [q_ids, q_probs])], dev)
     target = probs[at_d]  # [R, k+1, V]
     q = None
     if q_d:
         q = torch.zeros(R, k, V, dtype=torch.float32, device=dev).scatter_add_(2, *q_d)
+    # The token each greedy or seeded row must match: argmax p, or the race's winner.
+    choice = target.argmax(-1)
+    if raced.shape[1]:
+        where = raced_d[0], raced_d[1]
+        choice[where] = race_pick(target[where], raced_d[2])
     out, emitted = rejection_sample(drafts_d, q, target, num_draft=n_d, greedy=greedy_d,
-                                    uniforms=u_d)
-    # A deferred greedy row keeps its next position's argmax: computed for every row, read
-    # for those only, so it rides in the same copy (skipped when no row could defer so).
-    if any(r.defer_last and p.greedy for r, p in zip(rows, row_params, strict=True)):
-        best = target[torch.arange(R, device=dev), n_d].argmax(-1)
+                                    uniforms=u_d, choice=choice)
+    # A deferred greedy or seeded row keeps its next position's chosen token: computed for
+    # every row, read for those only, so it rides in the same copy (skipped when no row
+    # could defer so).
+    if any(r.defer_last and b for r, b in zip(rows, by_rule, strict=True)):
+        best = choice[torch.arange(R, device=dev), n_d]
     else:
         best = torch.zeros(R, dtype=torch.long, device=dev)
     # A row whose logits went non-finite fails alone (its flag rides in the same copy).
@@ -207,11 +216,23 @@ def _sample_rows(rows: list[TargetRow], logits: torch.Tensor,
             continue
         if r.defer_last and emitted_b == n + 1 and deferred is not None:
             # All kept: keep p at the next position instead of the bonus drawn from it.
-            deferred[r.seq_id] = best_b if row_params[b].greedy else target[b, n]
+            deferred[r.seq_id] = best_b if by_rule[b] else target[b, n]
             results.append(TargetResult(r.seq_id, kept[:n], n, deferred=True))
         else:
             results.append(TargetResult(r.seq_id, kept[:emitted_b], emitted_b - 1))
     return results
+
+
+def _raced(rows: list[TargetRow], row_params: list[SamplingParams]) -> torch.Tensor:
+    """[3, S] (row, position column, race key) of every verified position of the seeded rows,
+    keyed by the position's index in the sequence (specdec/model/seeded.py): the same key,
+    so the same token, whatever k or batch this position is verified in."""
+    cols: list[tuple[int, int, int]] = []
+    for b, (r, p) in enumerate(zip(rows, row_params, strict=True)):
+        if p.raced:
+            first = r.start + len(r.tokens) - r.num_draft  # the position logits[0] predicts
+            cols.extend((b, j, race_key(p.seed, first + j)) for j in range(r.num_draft + 1))
+    return torch.tensor(cols, dtype=torch.long).reshape(-1, 3).T
 
 
 def _draft_q(rows: list[TargetRow], drafts: torch.Tensor

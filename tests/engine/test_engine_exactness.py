@@ -123,8 +123,8 @@ def test_sampled_first_three_tokens_follow_plain_distribution(tiny_llama, draft_
                            draft_vocab_limit=vocab_limit, draft_confidence=confidence,
                            q_top_m=q_top_m)
 
-    plain, _ = first_three_counts(factory, "none", 0, n, temperature, 0)
-    spec, engine = first_three_counts(factory, "draft", 2, n, temperature, 10**6)
+    plain, _ = first_three_counts(factory, "none", 0, n, temperature)
+    spec, engine = first_three_counts(factory, "draft", 2, n, temperature)
     spec_totals = engine.totals["draft"]
     assert spec_totals.accepted > 0.05 * spec_totals.drafted
     assert len(spec_totals.accepted_per_position) == 2 and spec_totals.accepted_per_position[1]
@@ -151,8 +151,8 @@ def test_contingency_check_catches_the_draft_distribution(tiny_llama, tiny_llama
     def draft_as_target():
         return make_engine(tiny_llama_far_draft, slots=64, max_len=16, config=BIG_QUEUE)
 
-    a, _ = first_three_counts(target_engine, "none", 0, n, 1.0, 0)
-    b, _ = first_three_counts(draft_as_target, "none", 0, n, 1.0, 10**6)
+    a, _ = first_three_counts(target_engine, "none", 0, n, 1.0)
+    b, _ = first_three_counts(draft_as_target, "none", 0, n, 1.0)
     pooled = [collections.Counter() for _ in range(2)]
     for c, src in zip(pooled, (a, b), strict=True):
         for toks, cnt in src.items():
@@ -197,8 +197,8 @@ def test_truncated_q_must_be_the_distribution_sampled_from(tiny_llama, tiny_llam
         return lambda: make_engine(tiny_llama, tiny_llama_far_draft, slots=64, max_len=16,
                                    config=BIG_QUEUE, q_top_m=4, proposer_cls=cls)
 
-    plain, _ = first_three_counts(factory(DraftModelProposer), "none", 0, n, 1.0, 0)
-    wrong, _ = first_three_counts(factory(_UnnormalizedTopM), "draft", 2, n, 1.0, 10**6)
+    plain, _ = first_three_counts(factory(DraftModelProposer), "none", 0, n, 1.0)
+    wrong, _ = first_three_counts(factory(_UnnormalizedTopM), "draft", 2, n, 1.0)
     pm, wm = collections.Counter(), collections.Counter()
     for c, src in ((pm, plain), (wm, wrong)):
         for toks, cnt in src.items():

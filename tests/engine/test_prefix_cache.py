@@ -168,7 +168,7 @@ def test_sampled_tokens_keep_their_distribution_over_a_cached_prefix(tiny_llama,
     counts, reused = [], []
     for engine in _pair(tiny_llama, tiny_llama_far_draft, slots=16, max_len=48):
         reqs = [Request(f"s{i}", prompt, SamplingParams(temperature=1.0, max_tokens=4,
-                                                        ignore_eos=True, seed=1000 + i),
+                                                        ignore_eos=True),
                         "draft", 2) for i in range(n)]
         outs = engine.run(reqs)
         counts.append(collections.Counter(tuple(o.token_ids[:3]) for o in outs.values()))

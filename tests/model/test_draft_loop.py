@@ -10,7 +10,7 @@ import torch
 
 from specdec.model.decoder import Decoder
 from specdec.model.draft_loop import LoopBuffers
-from specdec.model.sampling import SamplingParams
+from specdec.model.sampling import SamplingParams, seed_unseeded
 from specdec.model.static_step import StaticDecoder
 from specdec.spec_decode.proposal import ProposeInput
 from specdec.spec_decode.proposers import DraftModelProposer
@@ -19,8 +19,10 @@ Q_ATOL = 1e-5  # fp32: the loop's key axis is padded, which reassociates the sof
 
 ROWS = {  # seq id -> (prompt length, k, params)
     "greedy": (7, 4, SamplingParams(temperature=0.0)),
-    "hot": (12, 3, SamplingParams(temperature=1.3, seed=11)),
-    "warm": (5, 1, SamplingParams(temperature=0.7, seed=12)),
+    # Unseeded: a seeded row drafts eagerly (its guesses come from the seeded race, see
+    # test_seeded_rows_draft_eagerly); both proposers get the same unseeded streams below.
+    "hot": (12, 3, SamplingParams(temperature=1.3)),
+    "warm": (5, 1, SamplingParams(temperature=0.7)),
 }
 
 
@@ -40,7 +42,10 @@ def _rounds(eager: DraftModelProposer, looped: DraftModelProposer, rows=ROWS, n=
     compared, before = 0, looped._loop.loop_rounds
     for r in range(n):
         inputs = [ProposeInput(s, list(contexts[s]), k, p) for s, (_, k, p) in rows.items()]
-        want, got = eager.propose(inputs), looped.propose(inputs)
+        seed_unseeded(11)  # each proposer's rows draw from the same streams
+        want = eager.propose(inputs)
+        seed_unseeded(11)
+        got = looped.propose(inputs)
         for inp, w, o in zip(inputs, want, got, strict=True):
             assert o.token_ids == w.token_ids, (r, inp.seq_id)
             assert (o.q_ids is None) == (w.q_ids is None), inp.seq_id
@@ -77,8 +82,21 @@ def test_looped_round_equals_eager_with_confidence_cut_and_top_m(tiny_llama, q_t
 
 def test_top_k_rows_draft_eagerly(tiny_llama):
     eager, looped = _pair(tiny_llama)
-    rows = {"cut": (6, 3, SamplingParams(temperature=1.0, top_k=5, seed=3))}
+    rows = {"cut": (6, 3, SamplingParams(temperature=1.0, top_k=5))}
     inputs = [ProposeInput(s, list(range(3, 3 + n)), k, p) for s, (n, k, p) in rows.items()]
+    seed_unseeded(3)
+    want = eager.propose(inputs)[0].token_ids
+    seed_unseeded(3)
+    assert looped.propose(inputs)[0].token_ids == want
+    assert looped._loop.loop_rounds == 0
+
+
+def test_seeded_rows_draft_eagerly(tiny_llama):
+    """A seeded row's guesses are the seeded race's winners (specdec/model/seeded.py), the
+    same whichever path drafts them: the loop leaves such rows to the eager step."""
+    eager, looped = _pair(tiny_llama)
+    inputs = [ProposeInput("seeded", list(range(3, 9)), 3,
+                           SamplingParams(temperature=0.9, seed=5))]
     assert looped.propose(inputs)[0].token_ids == eager.propose(inputs)[0].token_ids
     assert looped._loop.loop_rounds == 0
 
@@ -131,7 +149,7 @@ def test_inductor_compiled_loop_equals_eager(tiny_llama):
     model = Decoder.from_checkpoint(tiny_llama, torch.float32)
     eager = DraftModelProposer(model, 4, 96)
     looped = DraftModelProposer(StaticDecoder(model, compile=True), 4, 96)
-    rows = {"hot": (12, 3, SamplingParams(temperature=1.0, seed=5)),
+    rows = {"hot": (12, 3, SamplingParams(temperature=1.0)),
             "greedy": (14, 3, SamplingParams(temperature=0.0))}
     _rounds(eager, looped, rows, n=1)
 

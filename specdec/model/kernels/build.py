@@ -135,3 +135,11 @@ def rows():
     built for this CPU on first use (KernelUnavailable if it cannot be)."""
     load("row_ops")
     return torch.ops.specdec_rows
+
+
+@functools.cache
+def race():
+    """torch.ops.specdec_race (the seeded race: specdec/model/seeded.py), built for this CPU on
+    first use (KernelUnavailable if it cannot be)."""
+    load("seeded_race")
+    return torch.ops.specdec_race
