@@ -116,7 +116,14 @@ class PrefixCache:
             n = min(common_prefix(ids, held), cap)
             if n > copied:
                 source, copied = s, n
-        if source is not None and source != lru and copied >= reuse + COPY_MIN_TOKENS:
+        if source == lru and copied > reuse:
+            # The slot given up holds the longest prefix itself: keeping that much of it costs
+            # nothing more than giving it up.
+            return self._take(Choice(lru, copied), ids)
+        # A copy pays when it saves enough tokens, or when it is all of the prompt but its
+        # last token (the same prompt again: what users expect to see as cached).
+        worth = copied >= reuse + COPY_MIN_TOKENS or (copied == cap and copied > reuse)
+        if source is not None and worth:
             # Into the slot given up: its content is the one least likely to be asked for.
             return self._take(Choice(lru, copied, copy_from=source), ids)
         if reuse == 0:

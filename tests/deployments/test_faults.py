@@ -16,6 +16,7 @@ import ray
 from serve_helpers import serve_app, tiny_app_args
 
 from benchmarks.load import run_load
+from deployments.ingress import HEALTH_TTL_S
 from deployments.launch import local_ray
 
 pytestmark = pytest.mark.integration
@@ -52,6 +53,7 @@ REMEMBERED = "w40 w41 w42 w43 w44 w45 w46 w47 w48 w49 w50 w51"
 
 
 def draft_prefix(base) -> dict:
+    time.sleep(HEALTH_TTL_S + 0.1)  # /health answers from a state at most this old
     engine = httpx.get(f"{base}/health", timeout=30).json()["engine"]
     return engine["prefix_cache"]["draft"]
 

@@ -16,6 +16,7 @@ from openai import OpenAI
 from ray import serve
 
 from deployments.app import build_app, parse_args
+from deployments.ingress import HEALTH_TTL_S
 from deployments.launch import local_ray
 from specdec.errors import ConfigError
 from specdec.pack.tokenizer import load_tokenizer
@@ -116,6 +117,7 @@ def test_a_conversation_is_served_from_its_cached_history(server):
     assert cached[0] < prompts[0]
     # Each later turn: all of the last turn's prompt at least came from the cache.
     assert cached[1] >= prompts[0] and cached[2] >= prompts[1], (cached, prompts)
+    time.sleep(HEALTH_TTL_S + 0.1)  # /health answers from a state at most this old
     prefix = httpx.get(f"{base}/health", timeout=30).json()["engine"]["prefix_cache"]
     assert prefix["enabled"] and prefix["target"]["hits"] >= 2
     assert prefix["kv_cache_mb"]["target"] > 0
@@ -303,6 +305,7 @@ def test_lost_target_gives_503_then_serves_again(server):
         assert "being rebuilt" in got.json()["error"]["message"]
         assert time.monotonic() - killed_at < 120, "the target was not rebuilt in 120 s"
         time.sleep(0.2)
+    time.sleep(HEALTH_TTL_S + 0.1)
     load = client.get("/health").json()["engine"]
     assert load["target_down"] is None and load["target_last_rebuild_s"] > 0
     # The new group's slots hold nothing of what the old one held: no reuse is claimed.

@@ -51,7 +51,24 @@ def test_a_prefix_held_by_a_running_slot_is_copied_when_worth_it():
     assert pc.stats.copies == 1
     # A few tokens are not worth a copy: computed instead.
     short = {0: np.array([100, 101, 102])}
-    assert pc.choose([100, 101, 102, 5], free=[2], running=short).copy_from is None
+    assert pc.choose([100, 101, 102, 5, 6], free=[2], running=short).copy_from is None
+
+
+def test_the_same_short_prompt_again_is_cached_without_costing_a_conversation():
+    """A repeated prompt shorter than a worthwhile copy still finds all but its last token
+    (copied into the empty slot, the conversation kept); and the slot given up keeps in
+    place whatever prefix it holds itself."""
+    pc = PrefixCache(2)
+    pc.choose([0], free=[0])
+    conversation = [5, 6, 7, 8, 9, 10] + list(range(200, 240))
+    pc.release(0, conversation)
+    again = pc.choose([5, 6, 7, 8, 9, 10], free=[0, 1])
+    assert (again.slot, again.reuse, again.copy_from) == (1, 5, 0)
+    pc.release(1, [5, 6, 7, 8, 9, 10, 11])
+    # The only free slot holds a prefix of less than half its content: given up, it keeps
+    # that prefix in place (nothing to copy from).
+    c = pc.choose(conversation[:20] + [1], free=[0])
+    assert (c.slot, c.reuse, c.copy_from) == (0, 20, None)
 
 
 def test_a_prefilling_sequence_finds_what_another_computed_meanwhile():
