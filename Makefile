@@ -39,8 +39,7 @@ SERVE_ENV := RAY_SERVE_CONTROL_LOOP_INTERVAL_S=1 RAY_SERVE_METRICS_EXPORT_INTERV
 # at full speed (Serve's own "ready" comes earlier, when only the HTTP router is up).
 serve: install
 	$(BIN)/specdec models fetch qwen-pair
-	$(BIN)/specdec wait-ready http://127.0.0.1:8000 --parent-pid $$$$ & \
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(SERVE_ENV) exec $(BIN)/serve run serve_config.yaml
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(SERVE_ENV) exec $(BIN)/specdec serve serve_config.yaml
 
 lint: install
 	$(BIN)/ruff check specdec deployments cli benchmarks tools tests

@@ -92,6 +92,12 @@ def _wait_ready(args) -> int:
     return 0 if wait_ready(args.url, args.timeout, args.parent_pid) else 1
 
 
+def _serve(args) -> int:
+    from cli.serve import run_serve
+
+    return run_serve(args.config, grace_s=args.grace, announce_ready=not args.quiet)
+
+
 def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("--target", default=None, help="pack name, checkpoint dir or hub id")
@@ -178,6 +184,17 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--parent-pid", type=int, default=None,
                    help="stop waiting when this process exits (the `serve run` beside it)")
     w.set_defaults(func=_wait_ready)
+
+    s = sub.add_parser("serve", help="serve a config as `serve run` does, stopped cleanly "
+                                     "(requests in flight drained) by Ctrl-C, SIGTERM or "
+                                     "SIGHUP, to it or to its process group")
+    s.add_argument("config", nargs="?", default="serve_config.yaml")
+    s.add_argument("--grace", type=float, default=90.0,
+                   help="seconds a stop may take before what is left is killed (default 90, "
+                        "systemd's own stop timeout; above the app's drain_timeout_s)")
+    s.add_argument("--quiet", action="store_true",
+                   help="do not print start-up phases and the READY line")
+    s.set_defaults(func=_serve)
 
     add_bench(sub)
     return p

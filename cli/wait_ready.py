@@ -1,6 +1,6 @@
 """`specdec wait-ready URL`: watch a starting service and say when it takes requests.
 
-`make serve` runs it beside `serve run`: Serve's own log says the application is "ready"
+`specdec serve` runs it beside the service: Serve's own log says the application is "ready"
 when the HTTP router is, while the engine behind it may still be loading, warming up and
 calibrating for a minute or more. /health answers 503 with what start-up is doing until
 the engine can serve a request at full speed; this prints each new phase and then one
@@ -32,15 +32,18 @@ def _health(url: str) -> tuple[int | None, str]:
 
 
 def wait_ready(url: str, timeout_s: float = 1800.0, parent_pid: int | None = None,
-               poll_s: float = 1.0, out=sys.stdout) -> bool:
-    """Poll until /health answers 200 (True), the timeout passes or parent_pid exits
-    (False). Prints each new reason for waiting, then the ready line."""
+               poll_s: float = 1.0, out=sys.stdout, stopped=None) -> bool:
+    """Poll until /health answers 200 (True), the timeout passes, parent_pid exits or
+    `stopped` (a threading.Event) is set (False). Prints each new reason for waiting, then
+    the ready line."""
     url = url.rstrip("/")
     t0, last = time.monotonic(), None
     while time.monotonic() - t0 < timeout_s:
         if parent_pid is not None and not _alive(parent_pid):
             return False
         status, reason = _health(url)
+        if stopped is not None and stopped.is_set():
+            return False
         if status == 200:
             print(f"specdec: READY, taking requests at {url}/v1 ({time.monotonic() - t0:.0f} s "
                   "after start)", file=out, flush=True)

@@ -51,8 +51,15 @@ def build_app(args: dict):
             "upscale_delay_s": auto.upscale_delay_s,
             "downscale_delay_s": auto.downscale_delay_s},
         health_check_period_s=10, health_check_timeout_s=60, **routing,
+        # A replica being stopped finishes what it holds; checked every half second, so a
+        # drained replica goes at once.
+        graceful_shutdown_timeout_s=cfg.drain_timeout_s, graceful_shutdown_wait_loop_s=0.5,
     ).bind(cfg.engine.model_dump(), cfg.replica_cpus)
     return Ingress.options(num_replicas=cfg.ingress_replicas,
                           max_ongoing_requests=cfg.ingress_max_ongoing_requests,
+                          # Outlives the engine's drain: a request the engine could not
+                          # finish in time is answered with an error, not cut off.
+                          graceful_shutdown_timeout_s=cfg.drain_timeout_s + 15,
+                          graceful_shutdown_wait_loop_s=0.5,
                           ray_actor_options={"num_cpus": cfg.ingress_cpus}).bind(
         engine, cfg.model_dump())

@@ -71,6 +71,10 @@ class AppArgs(BaseModel):
         "ingress_max_ongoing_requests", "router_max_ongoing_requests"), description=(
             "Requests in flight per ingress replica (router_max_ongoing_requests: its old "
             "name)."))
+    drain_timeout_s: float = Field(60.0, gt=0, description=(
+        "How long an engine replica being stopped (an app deleted or redeployed, a "
+        "downscale, `specdec serve` stopped) keeps generating for the requests it holds "
+        "before they end with an error; new requests go elsewhere meanwhile."))
     api_key: str | None = Field(None, min_length=8, repr=False, description=(
         "Required as `Authorization: Bearer KEY` on every route but a minimal /health. The "
         "SPECDEC_API_KEY environment variable takes precedence (keep keys out of files)."))

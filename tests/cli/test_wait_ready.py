@@ -1,4 +1,4 @@
-"""`specdec wait-ready` (what `make serve` runs beside `serve run`): each start-up phase once,
+"""`specdec wait-ready` (what `specdec serve` runs beside the service): each start-up phase once,
 then READY when /health answers 200."""
 
 from __future__ import annotations
