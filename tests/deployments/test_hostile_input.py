@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
 from serve_helpers import serve_app, tiny_app_args
 
+from deployments.ingress import CHARS_PER_TOKEN, HEALTH_TTL_S
 from deployments.launch import local_ray
 
 pytestmark = pytest.mark.integration
@@ -185,6 +187,35 @@ def test_api_key_guards_v1_and_health_says_little_without_it(base):
         detailed = client.get("/health", headers=AUTH).json()
         assert detailed["status"] == "ok" and "engine" in detailed
         assert client.get("/v1/models", headers=AUTH).json()["data"][0]["id"] == "tiny"
+
+
+def test_a_prompt_beyond_any_context_is_refused_before_tokenizing(base):
+    """More characters than the context could hold as tokens: refused on its length alone
+    (the message counts characters, which only the check before the tokenizer does)."""
+    huge = "w5 " * (128 * CHARS_PER_TOKEN // 3 + 100)
+    with httpx.Client(base_url=base, timeout=60, headers=AUTH) as client:
+        for route, body, param in (
+                (C, {**ok, "prompt": huge}, "prompt"),
+                (CH, {**chat, "messages": [{"role": "user", "content": huge}]}, "messages")):
+            r = client.post(route, json=body)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == param and "characters" in err["message"], err
+            assert err["code"] == "context_length_exceeded"
+        assert client.post(C, json=ok).status_code == 200
+
+
+def test_health_asks_the_engine_at_most_once_a_second(base):
+    with httpx.Client(base_url=base, timeout=60, headers=AUTH) as client:
+        first = client.get("/health").json()["engine"]["time"]
+        assert client.get("/health").json()["engine"]["time"] == first
+        time.sleep(HEALTH_TTL_S + 0.1)
+        assert client.get("/health").json()["engine"]["time"] > first
+
+
+def test_openapi_names_only_the_served_model(base, tiny_llama):
+    text = httpx.get(f"{base}/openapi.json", timeout=30).text
+    assert '"tiny"' in text and str(tiny_llama) not in text
 
 
 def test_openapi_publishes_the_request_and_response_models(base):

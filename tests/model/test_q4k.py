@@ -195,6 +195,32 @@ def test_the_loader_keeps_the_files_blocks_and_more_bits_as_int8(q4k_gguf):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8
 
 
+def test_a_tied_output_projection_keeps_the_files_blocks(tmp_path, qwen_target_path):
+    """A tied model's token table in Q4_K is also its output projection: the same blocks,
+    not the table's floats rounded to Q4_K a second time. The blocks are llama.cpp's (the
+    first 256 columns of the pack target's token table): rounded again by our quantizer,
+    41% of their weights would change (blocks of our own making round-trip exactly)."""
+    from conftest import make_tiny_checkpoint
+    from test_gguf import write_gguf
+
+    from specdec.model.gguf_file import GGUFCheckpoint
+
+    real, _ = GGUFCheckpoint(qwen_target_path / "model.gguf").block_table(
+        "model.embed_tokens.weight")
+    llama_blocks = real[:96, :q4k.Q4_K_BYTES].numpy()
+    src = make_tiny_checkpoint(tmp_path / "src", "qwen2", hidden_size=256,
+                               intermediate_size=512, num_attention_heads=4,
+                               num_key_value_heads=2, tie_word_embeddings=True)
+    dest = tmp_path / "tied.gguf"
+    write_gguf(src, dest, "qwen2", {}, {"token_embd.weight": lambda t: (llama_blocks, Q.Q4_K)})
+    ck = GGUFCheckpoint(dest)
+    assert not ck.has("lm_head.weight")
+    m = Decoder.from_checkpoint(dest, "q4k")
+    assert isinstance(m.lm_head, q4k.Q4KLinear)
+    assert torch.equal(m.lm_head.weight(),
+                       ck.q4k_source("model.embed_tokens.weight").dequantize())
+
+
 def test_int4_rounds_the_files_q6k_to_4_bits_and_runs(q4k_gguf):
     """The draft's format: layer 0's Q6_K v is re-quantized to Q4_K from its floats."""
     from specdec.model.gguf_file import GGUFCheckpoint
