@@ -180,6 +180,7 @@ class EngineServer:
             "started_s": round(self.started_s, 1),
             "memory_mb": await self._memory(),
             "prefix_cache": self._prefix_cache(),
+            "suffix": self._suffix_report(),
             "time": time.time(),
         })
         return load
@@ -200,6 +201,11 @@ class EngineServer:
             "target": {**engine.prefixes.stats.as_dict(), "held_tokens": held},
             "draft": report() if report is not None else None,
         }
+
+    def _suffix_report(self) -> dict | None:
+        """The suffix index's size and where its guesses came from (docs/metrics.md)."""
+        suffix = self.engine.proposers.get("suffix")
+        return suffix.report() if suffix is not None else None
 
     async def _memory(self) -> dict:
         """RSS of this replica and of every shard actor (by name), now and at peak."""

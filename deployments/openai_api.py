@@ -75,7 +75,7 @@ class SpeculativeOverride(BaseModel):
     model_config = ConfigDict(extra="forbid")
     mode: Literal["auto", "on", "off"] = "auto"
     k: int | None = Field(None, ge=1, le=16)
-    method: Literal["draft", "ngram"] | None = None
+    method: Literal["draft", "suffix", "ngram"] | None = None
 
 
 class StreamOptions(BaseModel):

@@ -34,9 +34,12 @@ def make_engine(target_path, draft_path=None, slots=8, max_len=192,
                 draft_sampling="probabilistic", eos_ids=(), tokenizer=None,
                 config: EngineConfig | None = None, draft_vocab_limit=None,
                 draft_confidence=None, q_top_m=None, proposer_cls=DraftModelProposer,
-                overlap="off", step="eager") -> Engine:
-    """step: how both models run each forward (specdec/model/static_step.py)."""
+                overlap="off", step="eager", suffix=None) -> Engine:
+    """step: how both models run each forward (specdec/model/static_step.py); suffix: a
+    SuffixProposer to offer as the `suffix` method."""
     proposers = {"ngram": NgramProposer(1, 3)}
+    if suffix is not None:
+        proposers["suffix"] = suffix
     if draft_path is not None:
         proposers["draft"] = proposer_cls(with_step(load(draft_path), step), slots, max_len,
                                           draft_sampling, draft_vocab_limit, draft_confidence,

@@ -36,6 +36,7 @@ from specdec.policy.decide import Decision
 from specdec.policy.engine_policy import EnginePolicy, Overrides
 from specdec.spec_decode.proposal import Proposer, draft_held_prefix
 from specdec.spec_decode.proposers import DraftModelProposer, NgramProposer
+from specdec.spec_decode.suffix import SuffixProposer
 from specdec.spec_decode.target_runner import LocalTargetRunner, TargetRunner
 
 
@@ -224,6 +225,10 @@ def assemble(spec: EngineSpec, backend: Backend,
     target = backend.target(spec, target_path)
     try:
         proposers: dict[str, Proposer] = {"ngram": NgramProposer(spec.ngram_min, spec.ngram_max)}
+        sx = spec.suffix
+        if sx.enabled:
+            proposers["suffix"] = SuffixProposer(sx.min_n, sx.max_n, sx.table_bits,
+                                                 sx.spec_factor, sx.min_count, sx.shared)
         if draft_path is not None:
             phase("loading the draft model")
             proposers["draft"] = backend.draft(spec, draft_path)

@@ -328,6 +328,9 @@ class Engine:
         self.scheduler.release(seq, keep=reason != "error")
         self.target.end_sequence(rid)
         for p in self.proposers.values():
+            observe = getattr(p, "observe", None)  # learns from every finished request
+            if observe is not None and reason != "error":
+                observe(rid, seq.tokens)
             p.release(rid)
         return make_output(seq, new or [], finished=True, reason=reason, error=error,
                            kind=kind)

@@ -10,7 +10,7 @@ from specdec.errors import ErrorKind
 from specdec.model.sampling import SamplingParams
 from specdec.spec_decode.counters import SpecCounters
 
-Method = Literal["draft", "ngram", "none"]
+Method = Literal["draft", "ngram", "suffix", "none"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 

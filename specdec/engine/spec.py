@@ -105,6 +105,34 @@ class DraftGroupConfig(ModelGroupConfig):
         "distribution is the q of the rejection rule: m (id, prob) pairs cross per guess."))
 
 
+class SuffixConfig(BaseModel):
+    """Suffix speculation (specdec/spec_decode/suffix.py): guesses from what this replica
+    has seen, the request's own context and every recent prompt and output."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = Field(True, description="Offer the `suffix` method (auto may choose it).")
+    shared: bool = Field(True, description=(
+        "Guess from other requests' prompts and outputs too (per replica); false: only the "
+        "request's own context. Either way outputs never change, only speed."))
+    min_n: int = Field(2, ge=1, description="Shortest n-gram matched.")
+    max_n: int = Field(8, ge=1, le=32, description="Longest n-gram matched.")
+    table_bits: int = Field(20, ge=8, le=26, description=(
+        "The index holds 2^table_bits n-grams (16 bytes each: 16 MB at 20); newer ones "
+        "overwrite older."))
+    spec_factor: float = Field(2.0, gt=0, description=(
+        "Guesses per matched token: a match of n tokens proposes up to spec_factor * n "
+        "(and at most the round's k)."))
+    min_count: int = Field(2, ge=1, description=(
+        "Times in a row a continuation of a short n-gram (< 4 tokens) must have followed it "
+        "before it is guessed."))
+
+    @model_validator(mode="after")
+    def _check(self) -> SuffixConfig:
+        if self.min_n > self.max_n:
+            raise ValueError("suffix.min_n must be <= suffix.max_n")
+        return self
+
+
 class RuntimeConfig(BaseModel):
     """Limits and timeouts shared by the target and draft groups."""
 
@@ -167,6 +195,8 @@ class EngineSpec(BaseModel):
     ngram_min: int = Field(2, ge=1, description="Shortest suffix the n-gram proposer matches "
                            "in the context.")
     ngram_max: int = Field(5, ge=1, description="Longest suffix the n-gram proposer matches.")
+    suffix: SuffixConfig = Field(default_factory=SuffixConfig,
+                                 description="Suffix speculation across requests.")
     max_tokens_per_step: int = Field(MAX_TOKENS_PER_STEP, ge=16, description=(
         "Token budget of one target forward: decode and verify tokens first, then prefill "
         "chunks of what remains (chunked prefill)."))

@@ -119,7 +119,7 @@ class Load:
 @dataclasses.dataclass
 class Decision:
     mode: str                  # "speculative" | "plain"
-    method: str                # "draft" | "ngram" | "none"
+    method: str                # "draft" | "suffix" | "ngram" | "none"
     k: int
     reason: str
     expected_speedup: float

@@ -18,11 +18,13 @@ class PolicySettings(BaseModel):
         "this."))
     draft_cost_ratio: float = Field(0.35, gt=0, description=(
         "c, one draft forward over one plain target step, until the draft is measured."))
-    ngram_cost_ratio: float = Field(0.02, ge=0, description="The same for n-gram lookup.")
+    ngram_cost_ratio: float = Field(0.02, ge=0, description="The same for n-gram lookup "
+                                    "and suffix guesses (no forward: a table lookup).")
     acceptance_prior: tuple[tuple[str, float], ...] = Field(
-        (("draft", 0.75), ("ngram", 0.15)), description=(
+        (("draft", 0.75), ("ngram", 0.15), ("suffix", 0.3)), description=(
             "Per-token acceptance per method until measured: a same-family draft agrees "
-            "often; prompt lookup rarely finds a match outside editing and quoting."))
+            "often; prompt lookup rarely finds a match outside editing and quoting; suffix "
+            "guesses, from every recent request too, somewhat more often."))
     prior_weight: float = Field(20.0, ge=0, description="Pseudo-trials behind the prior.")
     collapse_rounds: int = Field(4, ge=1, description="A request's own rounds before its "
                                  "acceptance is trusted over its method's.")

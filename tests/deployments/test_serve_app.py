@@ -224,6 +224,47 @@ def test_sixteen_concurrent_mixed_requests(server, smollm2_path):
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
+def test_a_seeded_request_gives_the_same_tokens_every_time(server):
+    """The same seeded sampled request: speculation off, on and auto, again, and beside six
+    other requests speculating with their own seeds: the same text each time."""
+    client, base = server
+    body = {"prompt": "The river carried", "max_tokens": 48, "temperature": 0.9,
+            "seed": 1234, "ignore_eos": True}
+    texts = [complete(client, **body, speculative=s).json()["choices"][0]["text"]
+             for s in ({"mode": "off"}, {"mode": "on", "method": "draft", "k": 3},
+                       {"mode": "auto"}, {"mode": "on", "method": "draft", "k": 2})]
+
+    def one(i):
+        with httpx.Client(base_url=base, timeout=300) as c:
+            extra = {} if i else body
+            return c.post("/v1/completions", json={
+                "model": MODEL, "prompt": f"Item {i} of a list:", "max_tokens": 40,
+                "temperature": 0.8, "seed": 7 + i, **extra,
+                "speculative": {"mode": "on", "method": "draft", "k": 3}}).json()
+
+    with concurrent.futures.ThreadPoolExecutor(7) as ex:
+        busy = list(ex.map(one, range(7)))
+    texts.append(busy[0]["choices"][0]["text"])
+    assert len(set(texts)) == 1 and len(texts[0]) > 20, texts
+
+
+def test_a_second_similar_request_speculates_from_the_first_ones_output(server):
+    """Suffix speculation: a reply, once given, is guessed for the next request that asks
+    for it (here the same prompt) from the replica's index, token-identical to plain."""
+    client, _ = server
+    body = {"prompt": "List the planets of the solar system in order:", "max_tokens": 40,
+            "temperature": 0, "ignore_eos": True}
+    first = complete(client, **body, speculative={"mode": "off"}).json()
+    again = complete(client, **body, speculative={"mode": "on", "method": "suffix",
+                                                  "k": 6}).json()
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    sd = again["spec_decode"]
+    assert sd["method"] == "suffix" and sd["accepted"] >= 20, sd
+    time.sleep(HEALTH_TTL_S + 0.1)
+    suffix = client.get("/health").json()["engine"]["suffix"]
+    assert suffix["from_index"] >= 1 and suffix["indexed_tokens"] > 40, suffix
+
+
 def test_overload_gets_503_and_service_recovers(server):
     client, base = server
 
