@@ -113,7 +113,8 @@ class EngineServer:
                        finished=out.finished, finish_reason=out.finish_reason,
                        prompt_tokens=out.prompt_tokens, completion_tokens=len(out.token_ids),
                        k=out.k, cached_tokens=out.cached_tokens,
-                       spec=out.spec.as_dict() if out.finished else None,
+                       spec={**out.spec.as_dict(), "free_guesses": out.free_guesses,
+                             "free_accepted": out.free_accepted} if out.finished else None,
                        error=out.error, error_kind=out.error_kind)
         loop.call_soon_threadsafe(queue.put_nowait, chunk)
 

@@ -244,7 +244,8 @@ class IngressServer:
                 **{key: s.get(key) for key in ("rounds", "drafted", "accepted",
                                                "mean_acceptance_length",
                                                "draft_acceptance_ratio", "alpha_estimate",
-                                               "per_position_acceptance", "plain_steps")}}
+                                               "per_position_acceptance", "plain_steps",
+                                               "free_guesses", "free_accepted")}}
 
     async def _respond(self, req, call: GenerateCall, chat: bool):
         """The OpenAI response for completions or chat, streamed (SSE) or whole. The

@@ -228,7 +228,8 @@ def assemble(spec: EngineSpec, backend: Backend,
         sx = spec.suffix
         if sx.enabled:
             proposers["suffix"] = SuffixProposer(sx.min_n, sx.max_n, sx.table_bits,
-                                                 sx.spec_factor, sx.min_count, sx.shared)
+                                                 sx.spec_factor, sx.min_count, sx.shared,
+                                                 sx.plain_rows_k)
         if draft_path is not None:
             phase("loading the draft model")
             proposers["draft"] = backend.draft(spec, draft_path)

@@ -172,6 +172,7 @@ class Engine:
             self._copy_computed_prefix(seq)
         for seq in decode:
             seq.k_now = self._k_for(seq, len(seq.tokens) - seq.cached)
+            seq.k_free = 0 if seq.k_now else self._k_free(seq, len(seq.tokens) - seq.cached)
         plan = plan_step(decode, prefill, rec, self.proposers, self.target.max_len,
                          self.config, self.totals)
         results, window = self._verify(plan, rec)
@@ -196,7 +197,7 @@ class Engine:
                 continue
             settled = self._settled(seq, res, resolved, heads, window_out)
             rec.emitted += len(res.tokens) + (1 if settled else 0)
-            outputs.append(self._advance(seq, row, res, settled))
+            outputs.append(self._advance(seq, row, res, settled, row.seq_id in plan.free))
         rec.end = time.perf_counter()
         rec.post_s, rec.step_s = rec.end - t2, rec.end - t_start
         self.history.append(rec)
@@ -313,10 +314,27 @@ class Engine:
         room = self.target.max_len - seq.cached - pending
         return max(0, min(k, remaining - 1, room))
 
+    def _k_free(self, seq: Seq, pending: int) -> int:
+        """Free guesses for a row decoding plainly: the suffix index's, when it offers
+        them (suffix.plain_rows), unless the request asked for plain decoding or its free
+        guesses have mostly failed (each costs the target a verified position)."""
+        suffix = self.proposers.get("suffix")
+        k = getattr(suffix, "plain_rows_k", 0) if suffix is not None else 0
+        req, free = seq.req, seq.free
+        if not k or (req.fixed_k and req.k == 0) or not suffix.available:
+            return 0
+        if free.drafted >= 8 and free.accepted < 0.5 * free.drafted:
+            return 0
+        remaining = req.params.max_tokens - seq.generated
+        room = self.target.max_len - seq.cached - pending
+        return max(0, min(k, remaining - 1, room))
+
     def _advance(self, seq: Seq, row, res: TargetResult,
-                 settled: tuple[int, bool, bool] | None = None) -> RequestOutput:
-        new, reason = apply_result(seq, row, res, self.proposers.get(seq.req.method),
-                                   self.totals, self.eos_ids, settled)
+                 settled: tuple[int, bool, bool] | None = None,
+                 free: bool = False) -> RequestOutput:
+        method = "suffix" if free else seq.req.method
+        new, reason = apply_result(seq, row, res, self.proposers.get(method),
+                                   self.totals, self.eos_ids, settled, method)
         if reason is not None:
             return self._finish(seq, reason, new)
         return make_output(seq, new, finished=False, reason=None)

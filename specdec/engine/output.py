@@ -15,9 +15,10 @@ from specdec.spec_decode.target_runner import TargetResult, TargetRow
 
 def apply_result(seq: Seq, row: TargetRow, res: TargetResult, proposer: Proposer | None,
                  totals: dict[str, SpecCounters], eos_ids: frozenset[int],
-                 settled: tuple[int, bool, bool] | None = None
+                 settled: tuple[int, bool, bool] | None = None, method: str | None = None
                  ) -> tuple[list[int], str | None]:
     """The tokens this row emits and why the request finishes (None: it goes on).
+    method: whose guesses the row verified, when not the request's own (free guesses).
     settled (overlap): the deferred token, whether the draft offered a head guess for it,
     and whether that guess was kept; the head counts as the round's last guess."""
     req = seq.req
@@ -32,8 +33,9 @@ def apply_result(seq: Seq, row: TargetRow, res: TargetResult, proposer: Proposer
         kept += int(accepted)
     elif proposer is not None and row.num_draft:
         proposer.accepted(req.request_id, seq.cached)
-    seq.spec.record_round(drafted, kept, len(new))
-    totals[req.method if drafted else "none"].record_round(drafted, kept, len(new))
+    own = method is None or method == req.method  # free guesses: their own counters
+    (seq.spec if own else seq.free).record_round(drafted, kept, len(new))
+    totals[(method or req.method) if drafted else "none"].record_round(drafted, kept, len(new))
     new, reason = _cut(seq, new, eos_ids)
     seq.tokens.extend(new)
     if new and seq.first_token is None:
@@ -68,7 +70,8 @@ def make_output(seq: Seq, new: list[int], finished: bool, reason: str | None,
     delta = seq.detok.delta(final=finished) if seq.detok else ""
     out = RequestOutput(seq.req.request_id, new, delta, seq.tokens[seq.prompt_len:], text,
                         finished, reason, seq.prompt_len, seq.spec, error, seq.k_now,
-                        seq.req.method, kind, cached_tokens=seq.reused)
+                        seq.req.method, kind, cached_tokens=seq.reused,
+                        free_guesses=seq.free.drafted, free_accepted=seq.free.accepted)
     if finished and seq.req.arrival:
         now = time.monotonic()
         out.queue_s = seq.admitted - seq.req.arrival

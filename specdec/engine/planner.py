@@ -26,6 +26,7 @@ class Plan:
     rows: list[TargetRow]
     num_draft: dict[str, int]      # guesses verified per decode row
     windows: list[ProposeInput]    # what the draft drafts during the target's step
+    free: set[str] = dataclasses.field(default_factory=set)  # rows verifying free guesses
 
 
 @dataclasses.dataclass
@@ -33,6 +34,7 @@ class _Asks:
     by_method: dict[str, list[ProposeInput]]
     windows: list[ProposeInput]
     ahead: dict[str, list[int]]    # overlap: the row's guesses drafted during the last step
+    free: list[ProposeInput] = dataclasses.field(default_factory=list)  # plain rows' asks
 
 
 def plan_step(decode: list[Seq], prefill: list[Seq], rec: StepRecord,
@@ -45,12 +47,32 @@ def plan_step(decode: list[Seq], prefill: list[Seq], rec: StepRecord,
     t0 = time.perf_counter()
     rec.plan_s = t0 - t_plan
     proposals, failed = _propose(asks.by_method, proposers, rec)
+    free = _free_guesses(asks.free, proposers.get("suffix"), proposals)
     rec.draft_s = time.perf_counter() - t0
     rows, num_draft = _decode_rows(decode, asks.ahead, proposals, failed, totals)
     rows += _prefill_rows(prefill, config, sum(len(r.tokens) for r in rows))
     if rec.overlapped:
         asks.windows += _prefill_catchups(prefill, rows)
-    return Plan(rows, num_draft, asks.windows)
+    return Plan(rows, num_draft, asks.windows, free)
+
+
+def _free_guesses(asks: list[ProposeInput], suffix, proposals: dict[str, Proposal]
+                  ) -> set[str]:
+    """The suffix index's confident guesses for rows decoding plainly this step (a
+    lookup, no forward: verifying them costs the target a few tokens of its step)."""
+    if not asks or suffix is None:
+        return set()
+    try:
+        got = suffix.propose_confident(asks)
+    except Exception:  # guesses are an optimization: never a request's failure
+        log.exception("suffix guesses failed; decoding plainly this round")
+        return set()
+    free = set()
+    for i, p in zip(asks, got, strict=True):
+        if p.token_ids:
+            proposals[i.seq_id] = p
+            free.add(i.seq_id)
+    return free
 
 
 def _asks(decode: list[Seq], rec: StepRecord, max_len: int) -> _Asks:
@@ -76,6 +98,8 @@ def _asks(decode: list[Seq], rec: StepRecord, max_len: int) -> _Asks:
         if seq.k_now:
             out.by_method[method].append(ProposeInput(rid, seq.tokens, seq.k_now,
                                                       seq.req.params))
+        elif seq.k_free:
+            out.free.append(ProposeInput(rid, seq.tokens, seq.k_free, seq.req.params))
     return out
 
 
@@ -126,7 +150,7 @@ def _decode_rows(decode: list[Seq], ahead: dict[str, list[int]],
                                   _q(seq.ahead, len(guesses)), True, defer_last=True))
             continue
         prop = proposals.get(rid)
-        guesses = prop.token_ids[: seq.k_now] if prop else []
+        guesses = prop.token_ids[: seq.k_now or seq.k_free] if prop else []
         num_draft[rid] = len(guesses)
         if seq.k_now and not guesses and seq.req.method not in failed:
             # Asked for guesses, got none (no n-gram match): for the policy this

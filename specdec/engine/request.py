@@ -49,6 +49,10 @@ class RequestOutput:
     # Prompt tokens whose K/V came from the prefix cache (OpenAI's usage.prompt_tokens_details
     # .cached_tokens).
     cached_tokens: int = 0
+    # Free guesses (the suffix index's, verified on plainly decoded steps): how many were
+    # verified and kept; not in `spec`, which is the request's own method's.
+    free_guesses: int = 0
+    free_accepted: int = 0
     # On the final output: seconds queued before a slot, to the first token, end to end.
     queue_s: float | None = None
     ttft_s: float | None = None

@@ -125,6 +125,11 @@ class SuffixConfig(BaseModel):
     min_count: int = Field(2, ge=1, description=(
         "Times in a row a continuation of a short n-gram (< 4 tokens) must have followed it "
         "before it is guessed."))
+    plain_rows_k: int = Field(6, ge=0, le=16, description=(
+        "Rows decoding plainly (the policy's choice, not a request's `mode: off`) verify up "
+        "to this many of the index's guesses where it matches 4+ tokens: free guesses, no "
+        "forward to make them; a request whose free guesses mostly fail stops getting "
+        "them. 0: off."))
 
     @model_validator(mode="after")
     def _check(self) -> SuffixConfig:

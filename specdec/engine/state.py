@@ -86,6 +86,11 @@ class Seq:
     draft_seen: int = 0
     # Prompt tokens whose K/V came from the prefix cache (not computed for this request).
     reused: int = 0
+    # Free guesses: a row decoding plainly this step may still verify the suffix index's
+    # confident guesses (no forward to make them); up to k_free of them, counted in `free`
+    # (not in `spec`, which judges the request's own method).
+    k_free: int = 0
+    free: SpecCounters = dataclasses.field(default_factory=SpecCounters)
 
     @property
     def generated(self) -> int:

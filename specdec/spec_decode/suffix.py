@@ -27,6 +27,9 @@ from specdec.spec_decode.proposal import Proposal, ProposeInput
 from specdec.spec_decode.proposers import NgramProposer
 
 _P = np.uint64(0x9E3779B97F4A7C15)  # an odd multiplier: the polynomial hash's base
+# A match this long is trusted after one occurrence (shorter ones need min_count), and is
+# what free guesses for plainly decoding rows require.
+SURE_N = 4
 
 
 def ngram_hashes(tokens: np.ndarray, n: int) -> np.ndarray:
@@ -82,7 +85,7 @@ class SuffixIndex:
             self.count[slots] = counts
 
     def lookup(self, context, k: int, spec_factor: float = 2.0, min_count: int = 1,
-               sure_n: int = 4) -> tuple[list[int], int]:
+               sure_n: int = SURE_N) -> tuple[list[int], int]:
         """Up to k guesses chained from the longest n-gram of the context's tail that the
         index knows, and that n (0: none)."""
         if k <= 0:
@@ -118,18 +121,37 @@ class SuffixProposer(NgramProposer):
     name = "suffix"
 
     def __init__(self, min_n: int = 2, max_n: int = 8, bits: int = 20,
-                 spec_factor: float = 2.0, min_count: int = 2, shared: bool = True) -> None:
+                 spec_factor: float = 2.0, min_count: int = 2, shared: bool = True,
+                 plain_rows_k: int = 0) -> None:
         super().__init__(min_n, max_n)
         self.index = SuffixIndex(min_n, max_n, bits)
         self.spec_factor, self.min_count, self.shared = spec_factor, min_count, shared
+        self.plain_rows_k = plain_rows_k  # free guesses a plainly decoding row may verify
         self._fed: dict[str, tuple[list[int], int]] = {}  # seq -> (context, tokens fed)
-        self.stats = {"proposals": 0, "from_index": 0, "from_context": 0, "guesses": 0}
+        self.stats = {"proposals": 0, "from_index": 0, "from_context": 0, "guesses": 0,
+                      "free_guesses": 0}
 
     def propose(self, inputs: list[ProposeInput]) -> list[Proposal]:
         out = []
         for i in inputs:
             self._remember(i.seq_id, i.context)
             out.append(Proposal(self.guess(i.context, i.k)))
+        return out
+
+    def propose_confident(self, inputs: list[ProposeInput]) -> list[Proposal]:
+        """Guesses only from a match of at least SURE_N tokens, for rows that decode
+        plainly (free guesses): from the index, which holds the request's own context too
+        (cheap: no pass over the context), or from the context alone when not shared."""
+        out = []
+        for i in inputs:
+            self._remember(i.seq_id, i.context)
+            if self.shared:
+                guesses, n = self.index.lookup(i.context, i.k, self.spec_factor,
+                                               self.min_count)
+            else:
+                guesses, n = self._own(i.context, i.k)
+            out.append(Proposal(guesses if n >= SURE_N else []))
+            self.stats["free_guesses"] += len(out[-1].token_ids)
         return out
 
     def guess(self, context: list[int], k: int) -> list[int]:

@@ -73,3 +73,35 @@ def test_sampled_suffix_keeps_the_target_distribution(tiny_llama):
     assert spec.drafted > n // 2, spec
     assert 0 < spec.accepted < spec.drafted, spec
     assert contingency_pvalue(spec_counts, plain_counts) > 1e-3
+
+
+def test_plain_rows_verify_free_guesses_token_identical(tiny_llama):
+    """Rows the policy decodes plainly verify the index's confident guesses (free: no
+    forward makes them); an explicit plain request (k pinned at 0) never does."""
+    spans = random_prompts((9, 6, 8), seed=5)
+    prompts = [spans[0] + spans[1], spans[1] + spans[0], spans[0] + spans[1],
+               spans[2] + spans[0] + spans[1]]
+    expected = plain_reference(tiny_llama, prompts, 32)
+    engine = _engine(tiny_llama, slots=2, plain_rows_k=4)
+    out = engine.run([Request(f"r{i}", p, greedy(32), "none", 0)
+                      for i, p in enumerate(prompts)])
+    for i, e in enumerate(expected):
+        assert out[f"r{i}"].token_ids == e, f"request {i}"
+    free = engine.totals["suffix"]
+    assert free.accepted > 0 and free.rounds > 0, free
+    assert all(o.spec.drafted == 0 for o in out.values())  # the request's own: plain
+    pinned = _engine(tiny_llama, plain_rows_k=4)
+    pinned.run([Request("a", prompts[0], greedy(32), "none", 0)])
+    pinned.run([Request("b", prompts[0], greedy(32), "none", 0, fixed_k=True)])
+    assert pinned.totals["suffix"].drafted == 0
+
+
+def test_sampled_plain_rows_with_free_guesses_keep_the_target_distribution(tiny_llama):
+    n = 3000
+    counts, engine = first_three_counts(lambda: _engine(tiny_llama, plain_rows_k=2), "none",
+                                        0, n, 1.0)
+    plain_counts, _ = first_three_counts(lambda: make_engine(tiny_llama, config=BIG_QUEUE),
+                                         "none", 0, n, 1.0)
+    free = engine.totals["suffix"]
+    assert free.drafted > n // 4 and 0 < free.accepted < free.drafted, free
+    assert contingency_pvalue(counts, plain_counts) > 1e-3
