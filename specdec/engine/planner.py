@@ -51,8 +51,11 @@ def plan_step(decode: list[Seq], prefill: list[Seq], rec: StepRecord,
     rec.draft_s = time.perf_counter() - t0
     rows, num_draft = _decode_rows(decode, asks.ahead, proposals, failed, totals)
     rows += _prefill_rows(prefill, config, sum(len(r.tokens) for r in rows))
-    if rec.overlapped:
-        asks.windows += _prefill_catchups(prefill, rows)
+    catchups = _prefill_catchups(prefill, rows, rec.overlapped)
+    if rec.overlapped:  # hidden: the draft prefills on its own compute beside the target
+        asks.windows += catchups
+    elif catchups:
+        _catch_up(proposers.get("draft"), catchups, rec)
     return Plan(rows, num_draft, asks.windows, free)
 
 
@@ -180,17 +183,48 @@ def _prefill_rows(prefill: list[Seq], config: EngineConfig, used: int) -> list[T
     return rows
 
 
-def _prefill_catchups(prefill: list[Seq], rows: list[TargetRow]) -> list[ProposeInput]:
-    """Overlap: while the target computes a prompt chunk, the draft (on its own compute)
-    takes in the prompt up to that chunk's end, so that its first round finds nothing to
-    catch up on (the prompt is known: the draft need not wait for the target)."""
+def _prefill_catchups(prefill: list[Seq], rows: list[TargetRow], overlapped: bool
+                      ) -> list[ProposeInput]:
+    """The draft takes in each prompt chunk the step prefills, up to that chunk's end (the
+    prompt is known: the draft need not wait for the target), so that a row's first round
+    finds nothing to catch up on and its reply never stalls while the draft prefills.
+
+    Overlapped, every row that may draft gets it: the draft works on its own compute
+    beside the target. Sequential, only a row that will draft from its first round (mode
+    `on`, or `auto` admitted to speculate with the draft): its catch-up is a cost it pays
+    anyway, moved before its first token; a row on standby or decoding plainly may never
+    draft, and must not pay the draft's prefill (the policy prices that)."""
     ends = {r.seq_id: r.start + len(r.tokens) for r in rows}
     out = []
     for seq in prefill:
         end = ends.get(seq.req.request_id, 0)
         if seq.req.method != "draft" or end <= seq.draft_seen:
             continue
+        if not overlapped and not (seq.req.speculate or seq.req.k > 0):
+            continue
         out.append(ProposeInput(seq.req.request_id, seq.tokens[:end], 1, seq.req.params,
-                                catchup_only=True))
+                                catchup_only=True, catchup=end - seq.draft_seen))
         seq.draft_seen = end
     return out
+
+
+def _catch_up(draft: Proposer | None, catchups: list[ProposeInput], rec: StepRecord) -> None:
+    """Sequential steps: the draft prefills the prompt chunks before the target's step, in
+    one batched call whose one guess per row is dropped. Priced as a catch-up (the policy
+    learns its per-token cost from it, not a round's). A failed or lost draft costs the
+    row nothing but a catch-up at its first round."""
+    if draft is None or not draft.available:
+        return
+    t = time.perf_counter()
+    try:
+        draft.propose(catchups)
+    except Exception:  # an optimization: never a request's failure
+        log.exception("draft catch-up on prompts failed; they catch up at their first round")
+        return
+    spent = time.perf_counter() - t
+    call = draft.last_call
+    rec.draft_compute_s += call.compute_s if call else spent
+    rec.draft_bytes += call.bytes if call else 0
+    rec.draft_s += spent
+    rec.draft_model_s += spent
+    rec.draft_catchup = max(rec.draft_catchup, sum(i.catchup for i in catchups))

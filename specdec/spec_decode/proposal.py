@@ -18,9 +18,10 @@ class ProposeInput:
     context: list[int]   # the whole sequence so far: prompt and output
     k: int
     params: SamplingParams
-    # Overlap: only catch the draft up on this context (a prompt being prefilled by the
-    # target meanwhile); its guess is not used.
+    # Only catch the draft up on this context (a prompt the target prefills in the same
+    # step); its guess is not used. `catchup`: the tokens of it the draft had not seen.
     catchup_only: bool = False
+    catchup: int = 0
 
 
 @dataclasses.dataclass
