@@ -94,6 +94,7 @@ class EngineServer:
         load["prefix"] = {"hits": stats.hits, "copies": stats.copies,
                           "evictions": stats.evictions,
                           "held_tokens": self.engine.prefixes.held_tokens()}
+        load["suffix"] = self._suffix_report()
         self.metrics.gauges(load, draft.available if draft is not None else None,
                             self.policy, self.built.methods(), force)
 

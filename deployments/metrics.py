@@ -85,6 +85,18 @@ class EngineMetrics:
         self.held_tokens = Gauge("specdec_prefix_cache_held_tokens",
                                  "tokens whose K/V the target's slots hold")
         self._prefix_seen: dict[str, int] = {}
+        # The suffix index (specdec/spec_decode/suffix.py): what it holds, where its guesses
+        # came from, and the free guesses that plainly decoded rows verified.
+        self.suffix_indexed = Gauge("specdec_suffix_indexed_tokens",
+                                    "tokens fed to the suffix index (prompts and outputs)")
+        self.suffix_proposals = Counter("specdec_suffix_proposals", "suffix proposals by "
+                                        "where the guess came from: index (what other "
+                                        "requests said) or context (the request's own)",
+                                        tag_keys=("source",))
+        self._suffix_seen: dict[str, int] = {}
+        self.free_guessed = Counter("specdec_free_guessed_tokens", "the suffix index's "
+                                    "guesses verified on rows decoded plainly")
+        self.free_accepted = Counter("specdec_free_accepted_tokens", "free guesses kept")
         self.calibration_noisy = Gauge(
             "specdec_calibration_noisy", "1 when the start-up calibration ran on a busy or "
             "noisy machine (its costs are a prior that live steps replace)")
@@ -131,6 +143,15 @@ class EngineMetrics:
                 if new > 0:
                     self.prefix_events.inc(new, tags={"event": event})
                     self._prefix_seen[event] = prefix[event]
+        suffix = load.get("suffix")
+        if suffix is not None:
+            self.suffix_indexed.set(suffix["indexed_tokens"])
+            for source in ("index", "context"):
+                n = suffix[f"from_{source}"]
+                if n > self._suffix_seen.get(source, 0):
+                    self.suffix_proposals.inc(n - self._suffix_seen.get(source, 0),
+                                              tags={"source": source})
+                    self._suffix_seen[source] = n
         for shape, n in policy.probes.items():
             new = n - self._probes_seen.get(shape, 0)
             if new > 0:
@@ -158,6 +179,10 @@ class EngineMetrics:
         for i, n in enumerate(s.accepted_per_position, 1):
             if n:
                 self.pos_accepted.inc(n, tags={"method": m, "position": str(i)})
+        if out.free_guesses:
+            self.free_guessed.inc(out.free_guesses)
+            if out.free_accepted:
+                self.free_accepted.inc(out.free_accepted)
         self.prompt_tokens.inc(out.prompt_tokens)
         if out.cached_tokens:
             self.cached_tokens.inc(out.cached_tokens)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 
+import httpx
 from ray import serve
 
 from deployments.app import build_app
@@ -66,3 +68,18 @@ def tiny_spec(target_path, draft_path, target=None, draft=None, runtime=None,
         "target": {"model": str(target_path), **shard, **(target or {})},
         "draft": {"model": str(draft_path), **shard, **(draft or {})},
         "runtime": {**RUNTIME, **(runtime or {})}, "warmup": False, **kw})
+
+
+def scrape(port: int) -> dict[tuple[str, frozenset], float]:
+    """Prometheus text -> {(name, labels): value} for our series."""
+    out = {}
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
+        m = re.match(r"^(ray_specdec_\w+)\{(.*)\} (\S+)$", line)
+        if m:
+            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            out[(m.group(1), labels)] = float(m.group(3))
+    return out
+
+
+def sum_of(series: dict, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in series.items() if n == name and set(labels.items()) <= ls)

@@ -7,13 +7,13 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import re
 import time
 
 import httpx
 import pytest
 from openai import OpenAI
 from ray import serve
+from serve_helpers import scrape, sum_of
 
 from deployments.app import build_app, parse_args
 from deployments.ingress import HEALTH_TTL_S
@@ -357,21 +357,6 @@ def test_lost_target_gives_503_then_serves_again(server):
           f"requests refused meanwhile; rebuild {load['target_last_start']})")
 
 
-def scrape(port: int) -> dict[tuple[str, frozenset], float]:
-    """Prometheus text -> {(name, labels): value} for our series."""
-    out = {}
-    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
-        m = re.match(r"^(ray_specdec_\w+)\{(.*)\} (\S+)$", line)
-        if m:
-            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
-            out[(m.group(1), labels)] = float(m.group(3))
-    return out
-
-
-def sum_of(series: dict, name: str, **labels) -> float:
-    return sum(v for (n, ls), v in series.items() if n == name and set(labels.items()) <= ls)
-
-
 def test_decisions_and_acceptance_reach_prometheus(server, metrics_port):
     client, _ = server
     on = complete(client, prompt="def add(a, b):", max_tokens=24, temperature=0,
@@ -379,6 +364,10 @@ def test_decisions_and_acceptance_reach_prometheus(server, metrics_port):
     off = complete(client, prompt="def add(a, b):", max_tokens=24, temperature=0,
                    speculative={"mode": "off"}).json()
     assert on["spec_decode"]["accepted"] > 0 and off["spec_decode"]["rounds"] == 0
+    # The reply is in the suffix index now: asked again, it is guessed from there.
+    sx = complete(client, prompt="def add(a, b):", max_tokens=24, temperature=0,
+                  speculative={"mode": "on", "method": "suffix", "k": 6}).json()
+    assert sx["spec_decode"]["accepted"] > 0
 
     # Series reach the export port about a second late: wait for all of them.
     want = {
@@ -391,6 +380,11 @@ def test_decisions_and_acceptance_reach_prometheus(server, metrics_port):
                                             method="draft") >= on["spec_decode"]["accepted"],
         "draft alpha": lambda s: sum_of(s, "ray_specdec_policy_alpha", method="draft") > 0,
         "step times": lambda s: sum_of(s, "ray_specdec_step_seconds_count") > 0,
+        "suffix guesses": lambda s: sum_of(s, "ray_specdec_spec_accepted_tokens_total",
+                                           method="suffix") >= sx["spec_decode"]["accepted"],
+        "suffix from index": lambda s: sum_of(s, "ray_specdec_suffix_proposals_total",
+                                              source="index") >= 1,
+        "suffix size": lambda s: sum_of(s, "ray_specdec_suffix_indexed_tokens") >= 48,
     }
     deadline = time.monotonic() + 30
     while missing := [name for name, ok in want.items() if not ok(scrape(metrics_port))]:
