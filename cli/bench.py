@@ -21,8 +21,9 @@ def _run(benchmark: str):
 
 
 _bench_core, _bench_decode, _bench_tp, _bench_served, _bench_formats, _bench_load, \
-    _bench_serve, _bench_chat = map(_run, ("core", "decode", "tp", "served", "formats", "load",
-                                           "serve", "chat"))
+    _bench_serve, _bench_chat, _bench_repeat = map(_run, ("core", "decode", "tp", "served",
+                                                          "formats", "load", "serve", "chat",
+                                                          "repeat"))
 
 
 def _args_core(bench) -> None:
@@ -137,6 +138,26 @@ def _args_chat(bench) -> None:
     b_ch.set_defaults(func=_bench_chat)
 
 
+def _args_repeat(bench) -> None:
+    b_rp = bench.add_parser(
+        "repeat", help="workloads whose output repeats what was seen (an edit, a follow-up, "
+                       "similar requests) and mixed prompts; ours served beside llama-server")
+    b_rp.add_argument("--config", default="serve_config.yaml",
+                      help="the application config to serve (as users get it)")
+    b_rp.add_argument("--modes", nargs="+", default=["off", "draft", "suffix", "auto"],
+                      choices=["off", "draft", "suffix", "auto"],
+                      help="our modes, each on a freshly deployed application")
+    b_rp.add_argument("--peer-spec", nargs="*",
+                      default=["draft-simple", "ngram-mod", "ngram-cache"],
+                      help="llama-server --spec-type modes beside its plain")
+    b_rp.add_argument("--max-tokens", type=int, default=128,
+                      help="per reply (edit and follow-up: 4x; mixed: half)")
+    b_rp.add_argument("--repeats", type=int, default=1)
+    b_rp.add_argument("--threads", type=int, default=None, help="llama-server's threads")
+    b_rp.add_argument("--json", metavar="PATH", default=None)
+    b_rp.set_defaults(func=_bench_repeat)
+
+
 def _args_load(bench) -> None:
     b_ld = bench.add_parser("load", help="many streaming clients for a while: failures, "
                                          "latency, memory, queue drain")
@@ -186,6 +207,7 @@ def add_bench(sub) -> None:
     _args_serve(bench)
     _args_served(bench)
     _args_chat(bench)
+    _args_repeat(bench)
     _args_load(bench)
     _args_formats(bench)
     _args_tp(bench)
