@@ -192,7 +192,8 @@ class AssembledEngine:
         method = decision.standby or decision.method
         req = Request(request_id, prompt_ids, params, method, decision.k, on_output,
                       fixed_k=wanted.k is not None or wanted.mode == "off",
-                      speculate=wanted.mode == "on" and decision.mode == "speculative")
+                      speculate=wanted.mode == "on" and decision.mode == "speculative",
+                      pinned_method=wanted.method is not None)
         self.engine.add_request(req)
         return req, decision
 

@@ -172,7 +172,8 @@ class Engine:
             self._copy_computed_prefix(seq)
         for seq in decode:
             seq.k_now = self._k_for(seq, len(seq.tokens) - seq.cached)
-            seq.k_free = 0 if seq.k_now else self._k_free(seq, len(seq.tokens) - seq.cached)
+            seq.k_free = self._k_free(seq, len(seq.tokens) - seq.cached) \
+                if not seq.k_now or self._suffix_may_lead(seq, rec.overlapped) else 0
         plan = plan_step(decode, prefill, rec, self.proposers, self.target.max_len,
                          self.config, self.totals)
         results, window = self._verify(plan, rec)
@@ -328,6 +329,17 @@ class Engine:
         remaining = req.params.max_tokens - seq.generated
         room = self.target.max_len - seq.cached - pending
         return max(0, min(k, remaining - 1, room))
+
+    @staticmethod
+    def _suffix_may_lead(seq: Seq, overlapped: bool) -> bool:
+        """A drafting row whose method and k the policy chose may take the suffix index's
+        guesses instead of the draft's in a round where the index offers at least k of
+        them (a confident match: a copied file, a repeated answer): they cost no draft
+        forward. Not where the caller named the method or k, nor under overlap (the draft
+        has already drafted this round during the last step)."""
+        req = seq.req
+        return req.method == "draft" and not req.pinned_method and not req.fixed_k \
+            and not overlapped
 
     def _advance(self, seq: Seq, row, res: TargetResult,
                  settled: tuple[int, bool, bool] | None = None,

@@ -35,6 +35,7 @@ class _Asks:
     windows: list[ProposeInput]
     ahead: dict[str, list[int]]    # overlap: the row's guesses drafted during the last step
     free: list[ProposeInput] = dataclasses.field(default_factory=list)  # plain rows' asks
+    lead: list[ProposeInput] = dataclasses.field(default_factory=list)  # drafting rows'
 
 
 def plan_step(decode: list[Seq], prefill: list[Seq], rec: StepRecord,
@@ -46,8 +47,12 @@ def plan_step(decode: list[Seq], prefill: list[Seq], rec: StepRecord,
     asks = _asks(decode, rec, max_len)
     t0 = time.perf_counter()
     rec.plan_s = t0 - t_plan
+    by_id = {seq.req.request_id: seq for seq in decode}
+    led = _suffix_leads(asks, proposers.get("suffix"), by_id)
+    _mark_draft_seen(asks.by_method.get("draft", []), by_id, rec)
     proposals, failed = _propose(asks.by_method, proposers, rec)
-    free = _free_guesses(asks.free, proposers.get("suffix"), proposals)
+    proposals.update(led)
+    free = _free_guesses(asks.free, proposers.get("suffix"), proposals) | set(led)
     rec.draft_s = time.perf_counter() - t0
     rows, num_draft = _decode_rows(decode, asks.ahead, proposals, failed, totals)
     rows += _prefill_rows(prefill, config, sum(len(r.tokens) for r in rows))
@@ -78,12 +83,44 @@ def _free_guesses(asks: list[ProposeInput], suffix, proposals: dict[str, Proposa
     return free
 
 
+def _suffix_leads(asks: _Asks, suffix, by_id: dict[str, Seq]) -> dict[str, Proposal]:
+    """Drafting rows for which the suffix index offers at least the row's k confident
+    guesses: they verify those this round (free guesses, counted apart from the draft's
+    rounds) and the draft is not asked for them."""
+    if not asks.lead or suffix is None:
+        return {}
+    try:
+        got = suffix.propose_confident(asks.lead)
+    except Exception:  # guesses are an optimization: never a request's failure
+        log.exception("suffix guesses failed; drafting as planned")
+        return {}
+    led = {}
+    for i, p in zip(asks.lead, got, strict=True):
+        seq = by_id[i.seq_id]
+        if len(p.token_ids) >= seq.k_now:
+            led[i.seq_id] = p
+            seq.k_now = 0  # this round: the index's guesses, up to k_free of them
+    if led:
+        asks.by_method["draft"] = [i for i in asks.by_method["draft"] if i.seq_id not in led]
+    return led
+
+
+def _mark_draft_seen(drafting: list[ProposeInput], by_id: dict[str, Seq],
+                     rec: StepRecord) -> None:
+    """The rows the draft drafts for this step: what it catches up on first (priced by the
+    policy as a catch-up, not a round's cost), and where it will have caught up to."""
+    for i in drafting:
+        seq = by_id[i.seq_id]
+        rec.draft_catchup = max(rec.draft_catchup, len(seq.tokens) - seq.draft_seen)
+        seq.draft_seen = len(seq.tokens)
+
+
 def _asks(decode: list[Seq], rec: StepRecord, max_len: int) -> _Asks:
     """What each proposer is asked this step, and what the draft drafts meanwhile."""
     out = _Asks(collections.defaultdict(list), [], {})
     for seq in decode:
         rid, method = seq.req.request_id, seq.req.method
-        if seq.k_now and method == "draft":
+        if rec.overlapped and seq.k_now and method == "draft":
             rec.draft_catchup = max(rec.draft_catchup, len(seq.tokens) - seq.draft_seen)
             seq.draft_seen = len(seq.tokens)
         if rec.overlapped and method == "draft" and seq.k_now:
@@ -101,6 +138,8 @@ def _asks(decode: list[Seq], rec: StepRecord, max_len: int) -> _Asks:
         if seq.k_now:
             out.by_method[method].append(ProposeInput(rid, seq.tokens, seq.k_now,
                                                       seq.req.params))
+            if seq.k_free:  # the suffix index may lead this round (Engine._suffix_may_lead)
+                out.lead.append(ProposeInput(rid, seq.tokens, seq.k_free, seq.req.params))
         elif seq.k_free:
             out.free.append(ProposeInput(rid, seq.tokens, seq.k_free, seq.req.params))
     return out

@@ -26,6 +26,9 @@ class Request:
     # The caller asked for speculation (mode "on"): every round drafts at least one guess
     # while its proposer is up, whatever the policy's costs say.
     speculate: bool = False
+    # The caller named the method: every round uses it (with `auto`'s choice instead, a
+    # round may take the suffix index's guesses where they beat the draft's, for free).
+    pinned_method: bool = False
     arrival: float = 0.0             # time.monotonic() when the engine took it (set there)
 
 

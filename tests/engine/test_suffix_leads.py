@@ -1,0 +1,80 @@
+"""A drafting row whose method and k the policy chose takes the suffix index's guesses
+instead of the draft's in a round where the index offers at least k confident ones (a
+copied file, a repeated answer): free, no draft forward. Exact like any guess: greedy
+output equals plain token for token, sampled output keeps the target's distribution; a
+request that named its method or k keeps the draft every round."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine_helpers import (
+    BIG_QUEUE,
+    contingency_pvalue,
+    first_three_counts,
+    greedy,
+    make_engine,
+    plain_reference,
+    random_prompts,
+)
+
+from specdec.engine.request import Request
+from specdec.spec_decode.suffix import SuffixProposer
+
+
+def _engine(target, draft, slots=8):
+    engine = make_engine(target, draft, slots=slots, config=BIG_QUEUE,
+                         suffix=SuffixProposer(min_count=1, plain_rows_k=6))
+    engine.choose_k = lambda eng, req, spec, running, **_: 2  # the policy's k: 2
+    return engine
+
+
+def test_a_repeated_answer_is_guessed_from_the_index_not_drafted(tiny_llama,
+                                                                   tiny_llama_far_draft):
+    prompt = random_prompts((12,), seed=41)[0]
+    expected = plain_reference(tiny_llama, [prompt], 40)[0]
+    engine = _engine(tiny_llama, tiny_llama_far_draft)
+    first = engine.run([Request("first", prompt, greedy(40), "draft", 2)])["first"]
+    again = engine.run([Request("again", prompt, greedy(40), "draft", 2)])["again"]
+    assert first.token_ids == expected and again.token_ids == expected
+    # The second sees its whole answer in the index: most of it verified as free guesses,
+    # and far fewer draft rounds than the first needed.
+    assert again.free_accepted >= 20, again
+    assert again.spec.rounds < first.spec.rounds / 2, (again.spec, first.spec)
+
+
+def test_a_named_method_or_k_keeps_the_draft(tiny_llama, tiny_llama_far_draft):
+    prompt = random_prompts((12,), seed=42)[0]
+    expected = plain_reference(tiny_llama, [prompt], 30)[0]
+    for pin in ({"pinned_method": True}, {"fixed_k": True}):
+        engine = _engine(tiny_llama, tiny_llama_far_draft)
+        engine.run([Request("first", prompt, greedy(30), "draft", 2)])
+        again = engine.run([dataclasses.replace(
+            Request("again", prompt, greedy(30), "draft", 2), **pin)])["again"]
+        assert again.token_ids == expected
+        assert again.free_guesses == 0 and again.spec.drafted > 0, (pin, again)
+
+
+def test_rows_of_a_batch_led_by_the_index_say_what_plain_says(tiny_llama, tiny_llama_draft):
+    spans = random_prompts((9, 7), seed=43)
+    prompts = [spans[0] + spans[1], spans[1] + spans[0] + spans[1], spans[0] + spans[1],
+               spans[1] + spans[0]]
+    expected = plain_reference(tiny_llama, prompts, 32)
+    engine = _engine(tiny_llama, tiny_llama_draft, slots=2)
+    out = engine.run([Request(f"r{i}", p, greedy(32), "draft", 2)
+                      for i, p in enumerate(prompts)])
+    for i, e in enumerate(expected):
+        assert out[f"r{i}"].token_ids == e, f"request {i}"
+    assert engine.totals["suffix"].rounds > 0
+
+
+def test_sampled_rows_led_by_the_index_keep_the_target_distribution(tiny_llama,
+                                                                     tiny_llama_far_draft):
+    n = 3000
+    counts, engine = first_three_counts(lambda: _engine(tiny_llama, tiny_llama_far_draft),
+                                        "draft", 2, n, 1.0)
+    plain_counts, _ = first_three_counts(lambda: make_engine(tiny_llama, config=BIG_QUEUE),
+                                         "none", 0, n, 1.0)
+    led = engine.totals["suffix"]
+    assert led.drafted > n // 4 and 0 < led.accepted < led.drafted, led
+    assert contingency_pvalue(counts, plain_counts) > 1e-3
