@@ -129,7 +129,8 @@ class SuffixConfig(BaseModel):
         "Rows decoding plainly (the policy's choice, not a request's `mode: off`) verify up "
         "to this many of the index's guesses where it matches 4+ tokens: free guesses, no "
         "forward to make them; a request whose free guesses mostly fail stops getting "
-        "them. 0: off."))
+        "them. A row drafting by the policy's choice takes them instead of the draft's "
+        "where the index offers at least its k. 0: off."))
 
     @model_validator(mode="after")
     def _check(self) -> SuffixConfig:
