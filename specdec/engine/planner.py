@@ -56,11 +56,16 @@ def plan_step(decode: list[Seq], prefill: list[Seq], rec: StepRecord,
     rec.draft_s = time.perf_counter() - t0
     rows, num_draft = _decode_rows(decode, asks.ahead, proposals, failed, totals)
     rows += _prefill_rows(prefill, config, sum(len(r.tokens) for r in rows))
-    catchups = _prefill_catchups(prefill, rows, rec.overlapped)
+    draft = proposers.get("draft")
     if rec.overlapped:  # hidden: the draft prefills on its own compute beside the target
-        asks.windows += catchups
-    elif catchups:
-        _catch_up(proposers.get("draft"), catchups, rec)
+        asks.windows += _prefill_catchups(prefill, rows, True)
+    elif draft is not None and draft.available:
+        catchups = _prefill_catchups(prefill, rows, False)
+        if catchups and not _catch_up(draft, catchups, rec):
+            # Not caught up after all: the first round catches up (and is priced so).
+            by_id = {seq.req.request_id: seq for seq in prefill}
+            for i in catchups:
+                by_id[i.seq_id].draft_seen = len(i.context) - i.catchup
     return Plan(rows, num_draft, asks.windows, free)
 
 
@@ -247,19 +252,17 @@ def _prefill_catchups(prefill: list[Seq], rows: list[TargetRow], overlapped: boo
     return out
 
 
-def _catch_up(draft: Proposer | None, catchups: list[ProposeInput], rec: StepRecord) -> None:
+def _catch_up(draft: Proposer, catchups: list[ProposeInput], rec: StepRecord) -> bool:
     """Sequential steps: the draft prefills the prompt chunks before the target's step, in
     one batched call whose one guess per row is dropped. Priced as a catch-up (the policy
     learns its per-token cost from it, not a round's). A failed or lost draft costs the
     row nothing but a catch-up at its first round."""
-    if draft is None or not draft.available:
-        return
     t = time.perf_counter()
     try:
         draft.propose(catchups)
     except Exception:  # an optimization: never a request's failure
         log.exception("draft catch-up on prompts failed; they catch up at their first round")
-        return
+        return False
     spent = time.perf_counter() - t
     call = draft.last_call
     rec.draft_compute_s += call.compute_s if call else spent
@@ -267,3 +270,4 @@ def _catch_up(draft: Proposer | None, catchups: list[ProposeInput], rec: StepRec
     rec.draft_s += spent
     rec.draft_model_s += spent
     rec.draft_catchup = max(rec.draft_catchup, sum(i.catchup for i in catchups))
+    return True

@@ -97,7 +97,10 @@ def test_a_lost_target_fails_its_request_in_seconds_and_service_resumes(qwen_tar
                 while drafting_s is None:
                     got = client.post("/v1/completions", json={
                         "model": "qwen2.5-coder-1.5b", "prompt": "def fib(n):",
-                        "max_tokens": 8, "temperature": 0, "speculative": {"mode": "on"}})
+                        "max_tokens": 8, "temperature": 0,
+                        # k named: every round drafts (the suffix index, which has seen
+                        # this reply, would otherwise lead the rounds instead of the draft).
+                        "speculative": {"mode": "on", "k": 2}})
                     assert got.status_code == 200, got.text
                     served += 1
                     spec = got.json()["spec_decode"]

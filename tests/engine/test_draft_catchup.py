@@ -63,3 +63,23 @@ def test_caught_up_rows_in_a_batch_say_what_plain_says(tiny_llama, tiny_llama_dr
     for r, w in zip(reqs, want, strict=True):
         assert outs[r.request_id].token_ids == w, r.request_id
     assert engine.proposers["draft"].held_prefix(prompts[3]) == 0
+
+
+def test_a_failed_catch_up_leaves_it_to_the_first_round(tiny_llama, tiny_llama_draft):
+    """The draft's prompt catch-up fails: the row still says what plain says, and its first
+    round catches up (and is priced as a catch-up), not believing the draft holds it."""
+    prompt = random_prompts((150,), seed=34)[0]
+    engine = _engine(tiny_llama, tiny_llama_draft)
+    draft = engine.proposers["draft"]
+    real = draft.propose
+
+    def propose(inputs, *a, **kw):
+        if any(i.catchup_only for i in inputs):
+            raise RuntimeError("draft lost mid-prefill")
+        return real(inputs, *a, **kw)
+
+    draft.propose = propose
+    out = engine.run([Request("long", prompt, greedy(12), "draft", 3)])["long"]
+    assert out.token_ids == plain_reference(tiny_llama, [prompt], 12)[0]
+    first_round = next(r for r in engine.history if r.draft_rows)
+    assert first_round.draft_catchup >= len(prompt) - 1, first_round
