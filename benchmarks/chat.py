@@ -244,20 +244,11 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 def _peers(stack: contextlib.ExitStack, args, target, draft) -> dict:
     """llama-server plain and in each --peer-spec mode, one process each, all started."""
-    from benchmarks.llama_peer import LlamaServer
+    from benchmarks.llama_peer import start_servers
 
-    threads = args.threads or os.cpu_count() or 2
-    out = {}
-    for name in ["plain", *args.peer_spec]:
-        extra = [] if name == "plain" else ["--spec-type", name]
-        if name.startswith("draft"):
-            extra += ["-md", str(draft), "-td", str(threads)]
-        server = stack.enter_context(LlamaServer(target, extra, threads, slots=1,
-                                                 ctx_per_slot=4096))
-        server.complete([1, 2, 3], 4)  # warm: first-call allocations
-        out[f"llama-server|{name}"] = lambda ids, n, eos, url=server.url: \
-            _llama(url, ids, n, eos)
-    return out
+    urls = start_servers(stack, target, draft, args.peer_spec, args.threads, 4096)
+    return {f"llama-server|{name}": lambda ids, n, eos, url=url: _llama(url, ids, n, eos)
+            for name, url in urls.items()}
 
 
 def _memory(args, target, draft, app_mem: dict) -> list[dict]:

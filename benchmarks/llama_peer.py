@@ -200,3 +200,20 @@ def peer_rows(target: Path, draft: Path | None, prompts: list[list[int]], max_to
                      "acceptance": accepted / drafted if drafted else None,
                      "rss_GB": rss / 1e9})
     return rows
+
+
+def start_servers(stack, target: Path, draft: Path | None, modes: list[str],
+                  threads: int | None, ctx_per_slot: int) -> dict[str, str]:
+    """llama-server plain and in each --spec-type mode, one process each (one slot),
+    warmed and held by `stack` (contextlib.ExitStack): mode name -> url."""
+    threads = threads or os.cpu_count() or 2
+    out = {}
+    for name in ["plain", *modes]:
+        extra = [] if name == "plain" else ["--spec-type", name]
+        if name.startswith("draft"):
+            extra += ["-md", str(draft), "-td", str(threads)]
+        server = stack.enter_context(LlamaServer(target, extra, threads, slots=1,
+                                                 ctx_per_slot=ctx_per_slot))
+        server.complete([1, 2, 3], 4)  # warm: first-call allocations
+        out[name] = server.url
+    return out

@@ -146,27 +146,8 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _peers(stack: contextlib.ExitStack, target, draft, modes: list[str],
-           threads: int | None) -> dict[str, str]:
-    """llama-server plain and in each --peer-spec mode, one process each: name -> url."""
-    import os
-
-    from benchmarks.llama_peer import LlamaServer
-
-    threads = threads or os.cpu_count() or 2
-    out = {}
-    for name in ["plain", *modes]:
-        extra = [] if name == "plain" else ["--spec-type", name]
-        if name.startswith("draft"):
-            extra += ["-md", str(draft), "-td", str(threads)]
-        server = stack.enter_context(LlamaServer(target, extra, threads, slots=1,
-                                                 ctx_per_slot=8192))
-        server.complete([1, 2, 3], 4)  # warm: first-call allocations
-        out[name] = server.url
-    return out
-
-
 def main(args) -> int:
+    from benchmarks.llama_peer import start_servers
     from specdec.engine.spec import EngineSpec
     from specdec.model.gguf_file import gguf_in
 
@@ -179,7 +160,7 @@ def main(args) -> int:
     progress = Progress("bench repeat", total=total, unit=" requests")
     rows = []
     with contextlib.ExitStack() as stack:
-        peers = _peers(stack, target, draft, args.peer_spec, args.threads)
+        peers = start_servers(stack, target, draft, args.peer_spec, args.threads, 8192)
         plain = {"llama-server plain": _send_llama(peers.pop("plain"))}
         for mode in args.modes:  # a fresh application per mode: nothing learned carries
             with _ours_served(args.config) as (c, model, _):
