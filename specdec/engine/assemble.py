@@ -253,6 +253,7 @@ def assemble(spec: EngineSpec, backend: Backend,
             _forget(engine)
         # The policy learns costs and acceptance from every step and finished request,
         # in one process and served alike.
+        engine.probing = policy.probing
         engine.on_step.append(policy.observe_step)
         engine.on_finished.append(policy.observe_finished)
     except BaseException:

@@ -49,6 +49,9 @@ class Engine:
         self.config = config or EngineConfig()
         # The policy hook: revisit k between rounds (default: the request's own k).
         self.choose_k = choose_k
+        # Whether this step's k is a policy probe (a shape run to measure its cost): the
+        # probed draft rounds must then run as chosen, not be led by the suffix index.
+        self.probing: Callable[[], object] | None = None
         # Ids every model has an embedding row for (a draft may have fewer than its target).
         self.vocab_size = min([target.vocab_size] + [
             v for v in (getattr(p, "vocab_size", None) for p in self.proposers.values())
@@ -172,8 +175,11 @@ class Engine:
             self._copy_computed_prefix(seq)
         for seq in decode:
             seq.k_now = self._k_for(seq, len(seq.tokens) - seq.cached)
+        probing = bool(self.probing and self.probing())  # after k_for: it plans the probe
+        for seq in decode:
             seq.k_free = self._k_free(seq, len(seq.tokens) - seq.cached) \
-                if not seq.k_now or self._suffix_may_lead(seq, rec.overlapped) else 0
+                if not seq.k_now or self._suffix_may_lead(seq, rec.overlapped, probing) \
+                else 0
         plan = plan_step(decode, prefill, rec, self.proposers, self.target.max_len,
                          self.config, self.totals)
         results, window = self._verify(plan, rec)
@@ -202,7 +208,10 @@ class Engine:
         rec.end = time.perf_counter()
         rec.post_s, rec.step_s = rec.end - t2, rec.end - t_start
         self.history.append(rec)
-        drafted = rec.draft_rows or any(not w.catchup_only for w in plan.windows)
+        # A sequential step whose drafting rows the suffix index all led is still a
+        # speculative step (led rounds are what sequential steps can do and overlapped
+        # ones cannot): the overlap chooser must see it.
+        drafted = rec.draft_rows or plan.led or any(not w.catchup_only for w in plan.windows)
         if self.overlap_chooser is not None and drafted \
                 and not rec.graph_built:
             self.overlap_chooser.observe(rec.overlapped, rec.step_s, rec.emitted)
@@ -331,15 +340,16 @@ class Engine:
         return max(0, min(k, remaining - 1, room))
 
     @staticmethod
-    def _suffix_may_lead(seq: Seq, overlapped: bool) -> bool:
+    def _suffix_may_lead(seq: Seq, overlapped: bool, probing: bool) -> bool:
         """A drafting row whose method and k the policy chose may take the suffix index's
         guesses instead of the draft's in a round where the index offers at least k of
         them (a confident match: a copied file, a repeated answer): they cost no draft
         forward. Not where the caller named the method or k, nor under overlap (the draft
-        has already drafted this round during the last step)."""
+        has already drafted this round during the last step), nor in a policy probe (the
+        probe is there to time the draft's round)."""
         req = seq.req
         return req.method == "draft" and not req.pinned_method and not req.fixed_k \
-            and not overlapped
+            and not overlapped and not probing
 
     def _advance(self, seq: Seq, row, res: TargetResult,
                  settled: tuple[int, bool, bool] | None = None,

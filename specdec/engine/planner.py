@@ -27,6 +27,7 @@ class Plan:
     num_draft: dict[str, int]      # guesses verified per decode row
     windows: list[ProposeInput]    # what the draft drafts during the target's step
     free: set[str] = dataclasses.field(default_factory=set)  # rows verifying free guesses
+    led: set[str] = dataclasses.field(default_factory=set)  # drafting rows the index led
 
 
 @dataclasses.dataclass
@@ -66,7 +67,7 @@ def plan_step(decode: list[Seq], prefill: list[Seq], rec: StepRecord,
             by_id = {seq.req.request_id: seq for seq in prefill}
             for i in catchups:
                 by_id[i.seq_id].draft_seen = len(i.context) - i.catchup
-    return Plan(rows, num_draft, asks.windows, free)
+    return Plan(rows, num_draft, asks.windows, free, set(led))
 
 
 def _free_guesses(asks: list[ProposeInput], suffix, proposals: dict[str, Proposal]
@@ -254,9 +255,10 @@ def _prefill_catchups(prefill: list[Seq], rows: list[TargetRow], overlapped: boo
 
 def _catch_up(draft: Proposer, catchups: list[ProposeInput], rec: StepRecord) -> bool:
     """Sequential steps: the draft prefills the prompt chunks before the target's step, in
-    one batched call whose one guess per row is dropped. Priced as a catch-up (the policy
-    learns its per-token cost from it, not a round's). A failed or lost draft costs the
-    row nothing but a catch-up at its first round."""
+    one batched call whose one guess per row is dropped. Timed apart from the decode rows'
+    draft call (prompt_catchup_s, not draft_model_s): the policy learns a catch-up's
+    per-token cost from it, and a round's cost from the round alone. A failed or lost
+    draft costs the row nothing but a catch-up at its first round."""
     t = time.perf_counter()
     try:
         draft.propose(catchups)
@@ -268,6 +270,7 @@ def _catch_up(draft: Proposer, catchups: list[ProposeInput], rec: StepRecord) ->
     rec.draft_compute_s += call.compute_s if call else spent
     rec.draft_bytes += call.bytes if call else 0
     rec.draft_s += spent
-    rec.draft_model_s += spent
-    rec.draft_catchup = max(rec.draft_catchup, sum(i.catchup for i in catchups))
+    rec.prompt_catchup_s = spent
+    rec.prompt_catchup = sum(i.catchup for i in catchups)
+    rec.prompt_catchup_rows = len(catchups)
     return True

@@ -60,6 +60,12 @@ class StepRecord:
     # Most context tokens a drafted row's draft had to catch up on before guessing (a first
     # round prefills the prompt): the policy prices rounds from steps without a catch-up.
     draft_catchup: int = 0
+    # Sequential steps: prompt tokens the draft took in beside the target's prefill, in a
+    # call of its own (rows it did so for, its time), priced as a catch-up apart from any
+    # round (specdec/engine/planner.py::_catch_up).
+    prompt_catchup: int = 0
+    prompt_catchup_rows: int = 0
+    prompt_catchup_s: float = 0.0
     # The step compiled or captured a graph (a new bucket under step compiled/captured):
     # its time was mostly the build, so the policy does not price the shape from it.
     graph_built: bool = False

@@ -47,6 +47,10 @@ UNMEASURED_GAP = 0.1
 # out to pay this much: it is run to find out, whatever the estimate says now.
 TRIAL_SPEEDUP = 4 / 3
 
+# A catch-up the policy learns a per-token cost from: long enough to run at the draft's
+# prefill rate (a few tokens ride along a round's forward for almost nothing).
+CATCHUP_SAMPLE_MIN = 64
+
 
 @dataclasses.dataclass
 class Overrides:
@@ -374,14 +378,24 @@ class EnginePolicy:
             return
         step, draft = self.step_cost, self.draft_round_cost
         (step.calibrate if anchor else step.observe)(rec.tokens, rec.step_s - rec.draft_s)
+        prompt = getattr(rec, "prompt_catchup", 0)
+        if prompt >= CATCHUP_SAMPLE_MIN:
+            # The draft's own call beside a prefill: its one dropped guess per row is a
+            # round of k 1 (until one is measured, a few % of the call: counted in).
+            one = draft.round_seconds(1, rec.prompt_catchup_rows)
+            self.catchup_cost.observe(prompt, rec.prompt_catchup_s, one or 0.0, anchor=anchor)
         if getattr(rec, "draft_catchup", 0) > self.config.k_max + 1:
             # The draft first prefilled a row's context (its first round, or its first after
-            # a plain stretch): not what a round costs (taken as one, the first round of
-            # every request priced the draft up to 2x and turned speculation off), but what
-            # a catch-up costs beyond the round.
-            self.catchup_cost.observe(rec.draft_catchup, rec.draft_model_s,
-                                      draft.round_seconds(rec.draft_k, rec.draft_rows),
-                                      anchor=anchor)
+            # a plain stretch or a round the suffix index led): not what a round costs
+            # (taken as one, the first round of every request priced the draft up to 2x
+            # and turned speculation off), but what a catch-up costs beyond the round,
+            # when it is long enough to run at the draft's prefill rate: a few tokens ride
+            # along a round's forward almost free, and taken per token they would price
+            # a 1000-token prompt's catch-up near nothing.
+            if rec.draft_catchup >= CATCHUP_SAMPLE_MIN:
+                self.catchup_cost.observe(rec.draft_catchup, rec.draft_model_s,
+                                          draft.round_seconds(rec.draft_k, rec.draft_rows),
+                                          anchor=anchor)
             return
         (draft.calibrate if anchor else draft.observe)(rec.draft_k, rec.draft_rows,
                                                        rec.draft_model_s)

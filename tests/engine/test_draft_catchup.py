@@ -28,9 +28,12 @@ def test_a_drafting_row_is_caught_up_while_its_prompt_is_prefilled(tiny_llama, t
     steps = list(engine.history)
     prefill_steps = [r for r in steps if r.prefill_tokens]
     assert len(prefill_steps) >= 3 and not any(r.overlapped for r in steps)
-    # Each chunk taken in by the draft in the step that prefilled it...
-    assert all(0 < r.draft_catchup <= CHUNK for r in prefill_steps), prefill_steps
-    assert sum(r.draft_catchup for r in prefill_steps) == len(prompt)
+    # Each chunk taken in by the draft in the step that prefilled it, timed apart from
+    # any round (no decode row drafted in these steps: no round time)...
+    assert all(0 < r.prompt_catchup <= CHUNK and r.prompt_catchup_s > 0
+               and r.prompt_catchup_rows == 1 for r in prefill_steps), prefill_steps
+    assert not any(r.draft_model_s or r.draft_catchup for r in prefill_steps)
+    assert sum(r.prompt_catchup for r in prefill_steps) == len(prompt)
     # ...so the first round has (almost) nothing left to catch up on.
     first_round = next(r for r in steps if r.draft_rows)
     assert first_round.draft_catchup <= 4, first_round
@@ -45,7 +48,8 @@ def test_a_row_that_may_never_draft_never_pays_the_drafts_prefill(tiny_llama, ti
     out = engine.run([Request("standby", prompt, greedy(12), "draft", 0)])["standby"]
     assert out.token_ids == plain_reference(tiny_llama, [prompt], 12)[0]
     assert out.spec.drafted == 0
-    assert not any(r.draft_catchup or r.draft_model_s for r in engine.history)
+    assert not any(r.draft_catchup or r.draft_model_s or r.prompt_catchup
+                   for r in engine.history)
     assert engine.proposers["draft"].held_prefix(prompt) == 0
 
 

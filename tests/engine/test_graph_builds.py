@@ -51,7 +51,7 @@ def test_steps_that_build_a_graph_are_marked_and_repeats_of_their_buckets_are_no
     # The first step the draft runs in (it takes in the prompt beside the target's
     # prefill) builds the graphs; later steps of the run reuse them or build a new
     # bucket's (each marked step built at least one).
-    assert marked and marked[0] is next(r for r in first if r.draft_rows or r.draft_catchup)
+    assert marked and marked[0] is next(r for r in first if r.draft_rows or r.prompt_catchup)
     assert len(marked) <= builds
     assert any(not r.graph_built for r in first)
     # The same requests again run the same buckets: nothing is built, nothing is marked.

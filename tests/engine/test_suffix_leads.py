@@ -78,3 +78,36 @@ def test_sampled_rows_led_by_the_index_keep_the_target_distribution(tiny_llama,
     led = engine.totals["suffix"]
     assert led.drafted > n // 4 and 0 < led.accepted < led.drafted, led
     assert contingency_pvalue(counts, plain_counts) > 1e-3
+
+
+def test_a_policy_probe_runs_the_draft_rounds_it_probes(tiny_llama, tiny_llama_far_draft):
+    """A probe times the draft's round at some k: rounds the index led would time nothing
+    (review finding), so no row is led while the policy probes."""
+    prompt = random_prompts((12,), seed=44)[0]
+    expected = plain_reference(tiny_llama, [prompt], 30)[0]
+    engine = _engine(tiny_llama, tiny_llama_far_draft)
+    engine.run([Request("first", prompt, greedy(30), "draft", 2)])
+    led = engine.totals["suffix"].rounds
+    engine.probing = lambda: ("verify", "draft", 2)
+    again = engine.run([Request("again", prompt, greedy(30), "draft", 2)])["again"]
+    assert again.token_ids == expected
+    assert again.free_guesses == 0 and engine.totals["suffix"].rounds == led, again
+    assert again.spec.drafted >= 20, again.spec
+
+
+def test_the_overlap_chooser_sees_steps_the_index_led(tiny_llama, tiny_llama_far_draft):
+    """overlap auto compares sequential and overlapped steps; a sequential step whose rows
+    the index all led is speculative too (and only sequential steps can be led)."""
+    prompt = random_prompts((12,), seed=45)[0]
+    engine = make_engine(tiny_llama, tiny_llama_far_draft, slots=2, config=BIG_QUEUE,
+                         suffix=SuffixProposer(min_count=1, plain_rows_k=6), overlap="auto")
+    engine.choose_k = lambda eng, req, spec, running, **_: 2
+    engine.overlap_chooser.block = 10_000  # sequential steps only: the index may lead
+    engine.run([Request("first", prompt, greedy(30), "draft", 2)])
+    seen, before = engine.overlap_chooser.steps[False], engine.steps
+    engine.run([Request("again", prompt, greedy(30), "draft", 2)])
+    observed = engine.overlap_chooser.steps[False] - seen
+    steps = list(engine.history)[-(engine.steps - before):]
+    drafted = sum(1 for r in steps if r.draft_rows)
+    assert engine.totals["suffix"].rounds > 0 and not any(r.overlapped for r in steps)
+    assert observed > drafted, (observed, drafted)

@@ -321,6 +321,37 @@ def test_a_round_that_first_prefilled_the_draft_is_not_priced_as_a_round():
     assert list(policy.draft_round_cost.live) == [(2.0, 1.0)]
 
 
+def test_a_few_tokens_caught_up_price_neither_a_round_nor_a_catch_up():
+    """A round after one the suffix index led catches the draft up on the led tokens,
+    riding along the round's forward almost free: taken per token, such samples priced a
+    long prompt's catch-up near nothing (review finding)."""
+    policy = EnginePolicy()
+    for k in (1, 2, 3):  # rounds measured: a catch-up is priced beyond one
+        policy.observe_step(StepRecord(rows=1, tokens=k + 1, draft_s=0.03 * k, verify_s=0.1,
+                                       draft_rows=1, draft_k=k, draft_model_s=0.03 * k,
+                                       step_s=0.1 + 0.03 * k))
+    rounds = list(policy.draft_round_cost.live)
+    assert policy.draft_round_cost.round_seconds(2, 1) is not None
+    policy.observe_step(StepRecord(rows=1, tokens=3, draft_s=0.06, verify_s=0.1,
+                                   draft_rows=1, draft_k=2, draft_model_s=0.06, step_s=0.16,
+                                   draft_catchup=20))
+    assert not policy.catchup_cost.live and list(policy.draft_round_cost.live) == rounds
+
+
+def test_the_prompt_catch_up_beside_a_prefill_is_timed_apart_from_the_round():
+    """The draft's call that takes in a prefilled chunk is a catch-up sample of its own;
+    the decode rows' round in the same step is a round sample of its own time only."""
+    policy = EnginePolicy()
+    policy.observe_step(StepRecord(rows=2, tokens=131, draft_s=0.35, verify_s=0.5,
+                                   draft_rows=1, draft_k=2, draft_model_s=0.05, step_s=0.85,
+                                   draft_catchup=2, prompt_catchup=128, prompt_catchup_rows=1,
+                                   prompt_catchup_s=0.3))
+    assert list(policy.draft_round_cost.live) == [(2.0, 1.0)]
+    # Per token: the catch-up call's 0.3 s, less at most one round, over its 128 tokens.
+    assert len(policy.catchup_cost.live) == 1
+    assert (0.3 - 0.05) / 128 <= policy.catchup_cost.live[0] <= 0.3 / 128
+
+
 def test_standby_is_the_draft_so_its_cost_gets_probed():
     """Near break-even the lookup can price a hair better than a mispriced draft; standing
     by for the lookup, the draft would never be probed again (a busy start for good)."""
