@@ -22,6 +22,7 @@ import threading
 import time
 
 from specdec.errors import EngineError
+from specdec.policy.catchup import CATCHUP_SAMPLE_MIN, catchup_refused
 from specdec.policy.decide import (
     AcceptanceTracker,
     Decision,
@@ -43,13 +44,6 @@ log = logging.getLogger(__name__)
 # at most, and only until each shape has been run once.
 UNMEASURED_GAP = 0.1
 
-# A probe or an exploration must be able to repay the draft's catch-up if speculation turns
-# out to pay this much: it is run to find out, whatever the estimate says now.
-TRIAL_SPEEDUP = 4 / 3
-
-# A catch-up the policy learns a per-token cost from: long enough to run at the draft's
-# prefill rate (a few tokens ride along a round's forward for almost nothing).
-CATCHUP_SAMPLE_MIN = 64
 
 
 @dataclasses.dataclass
@@ -109,37 +103,12 @@ class EnginePolicy:
                                     "catchup", standby=d.method)
             return d
 
-    def _catchup_seconds(self, tokens: int) -> float | None:
-        """The draft's time to catch up on `tokens` tokens: measured, or until then a
-        target forward of that many tokens times the draft's cost ratio."""
-        got = self.catchup_cost.seconds(tokens)
-        if got is not None:
-            return got
-        target = self.step_cost.step_seconds(tokens)
-        c = self.draft_cost if self.draft_cost is not None else self.config.draft_cost_ratio
-        return None if target is None else c * target
-
     def _catchup_refused(self, d: Decision, catchup: int, expected: float, load: Load,
                          trial: bool = False) -> str | None:
-        """Why a speculative decision does not pay once the draft's catch-up is priced in,
-        or None when it does. The catch-up delays every row of the batch (the draft runs
-        before the target's step); speculating saves this row (1 - 1/speedup) of a plain
-        step per expected token. trial (a probe, an exploration): the decision is there to
-        find out whether speculation pays after all, so the row must be able to repay the
-        catch-up if it turns out to pay modestly (TRIAL_SPEEDUP), whatever the estimate."""
-        if d.method != "draft" or catchup <= self.config.k_max + 1:
-            return None  # a round's own catch-up (the target's last tokens): priced as one
-        cost = self._catchup_seconds(catchup)
-        plain = self.step_cost.step_seconds(max(load.running, 1) + load.prefill_tokens)
-        speedup = max(d.expected_speedup, TRIAL_SPEEDUP) if trial else d.expected_speedup
-        if cost is None or plain is None or speedup <= 1.0:
-            return None if cost is None or plain is None else "no gain to repay it with"
-        saved = expected * plain * (1 - 1 / speedup)
-        paid = cost * max(load.running, 1)
-        if saved >= paid:
-            return None
-        return (f"the draft's catch-up on {catchup} tokens ({paid:.2f} s) is not repaid by "
-                f"~{expected:.0f} tokens at {speedup:.2f}x ({saved:.2f} s)")
+        """Why d does not pay once the draft's catch-up is priced in (specdec/policy/catchup.py)."""
+        c = self.draft_cost if self.draft_cost is not None else self.config.draft_cost_ratio
+        return catchup_refused(d, catchup, expected, load, self.config.k_max,
+                               self.catchup_cost, self.step_cost, c, trial)
 
     def _remaining(self, req, spec) -> float:
         """Tokens a running request is expected to produce still: what finished replies of

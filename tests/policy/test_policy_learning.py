@@ -459,14 +459,14 @@ def test_a_long_reply_after_a_long_prompt_still_speculates():
 def test_the_catch_up_cost_is_learned_from_live_rounds():
     machine = Machine()
     policy = catchup_calibrated(machine, per_token=0.002)
-    assert abs(policy._catchup_seconds(1000) - 2.0) < 0.05
+    assert abs(policy.catchup_cost.seconds(1000) - 2.0) < 0.05
     drafting = quiet_draft(2, 1) + 500 * 0.0005
     for _ in range(5):  # the live machine catches up four times faster
         policy.observe_step(StepRecord(rows=1, tokens=3, draft_s=drafting,
                                        verify_s=quiet_step(3), draft_rows=1, draft_k=2,
                                        draft_model_s=drafting,
                                        step_s=quiet_step(3) + drafting, draft_catchup=500))
-    assert abs(policy._catchup_seconds(1000) - 0.5) < 0.05
+    assert abs(policy.catchup_cost.seconds(1000) - 0.5) < 0.05
 
 
 def gpu_eager_step(tokens: int) -> float:
