@@ -23,7 +23,9 @@ noisy one, and the load average tells whether something else ran beside us.
 
 Every run's prompt starts with a token of its own, so the prefix cache reuses nothing: each
 run prefills as a new request would. One last run catches the draft up on a long prompt it
-has not seen, the prior of what a first round's catch-up costs per token.
+has not seen (beside its prefill, as a row that drafts from its first round is): the prior
+of what a catch-up costs per token. A slot under 72 tokens leaves no such prior (a catch-up
+is priced from the target's step times the draft's cost ratio until one is measured).
 """
 
 from __future__ import annotations

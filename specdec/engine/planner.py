@@ -118,6 +118,7 @@ def _mark_draft_seen(drafting: list[ProposeInput], by_id: dict[str, Seq],
     for i in drafting:
         seq = by_id[i.seq_id]
         rec.draft_catchup = max(rec.draft_catchup, len(seq.tokens) - seq.draft_seen)
+        rec.draft_catchup_total += len(seq.tokens) - seq.draft_seen
         seq.draft_seen = len(seq.tokens)
 
 

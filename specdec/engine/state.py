@@ -60,6 +60,7 @@ class StepRecord:
     # Most context tokens a drafted row's draft had to catch up on before guessing (a first
     # round prefills the prompt): the policy prices rounds from steps without a catch-up.
     draft_catchup: int = 0
+    draft_catchup_total: int = 0  # the same summed over the rows (one batched forward)
     # Sequential steps: prompt tokens the draft took in beside the target's prefill, in a
     # call of its own (rows it did so for, its time), priced as a catch-up apart from any
     # round (specdec/engine/planner.py::_catch_up).

@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 UNMEASURED_GAP = 0.1
 
 
-
 @dataclasses.dataclass
 class Overrides:
     """What a request says about speculation (the API's `speculative` field)."""
@@ -65,7 +64,7 @@ class EnginePolicy:
         self.draft_round_cost = DraftCostModel(clock)
         # A draft not yet run for real is corrected as far as the target's calibration was.
         self.draft_round_cost.borrow = self.step_cost.calibration_error
-        # The draft's catch-up on context it has not seen, per token (see _catchup_repaid).
+        # The draft's catch-up on context it has not seen, per token (priced in specdec/policy/catchup.py).
         self.catchup_cost = CatchupCost()
         # Probe steps (see _plan_probe): this step's, the last one's time, counts by shape.
         self._probe: tuple[str, str, int] | None = None
@@ -347,8 +346,8 @@ class EnginePolicy:
             return
         step, draft = self.step_cost, self.draft_round_cost
         (step.calibrate if anchor else step.observe)(rec.tokens, rec.step_s - rec.draft_s)
-        prompt = getattr(rec, "prompt_catchup", 0)
-        if prompt >= CATCHUP_SAMPLE_MIN:
+        prompt, rows = getattr(rec, "prompt_catchup", 0), getattr(rec, "prompt_catchup_rows", 0)
+        if rows and prompt >= CATCHUP_SAMPLE_MIN * rows:
             # The draft's own call beside a prefill: its one dropped guess per row is a
             # round of k 1 (until one is measured, a few % of the call: counted in).
             one = draft.round_seconds(1, rec.prompt_catchup_rows)
@@ -360,9 +359,11 @@ class EnginePolicy:
             # and turned speculation off), but what a catch-up costs beyond the round,
             # when it is long enough to run at the draft's prefill rate: a few tokens ride
             # along a round's forward almost free, and taken per token they would price
-            # a 1000-token prompt's catch-up near nothing.
-            if rec.draft_catchup >= CATCHUP_SAMPLE_MIN:
-                self.catchup_cost.observe(rec.draft_catchup, rec.draft_model_s,
+            # a 1000-token prompt's catch-up near nothing. Overlapped, the catch-up was hidden
+            # beside the target's step (no draft time recorded): not a sample either.
+            if rec.draft_catchup >= CATCHUP_SAMPLE_MIN and not rec.overlapped:
+                total = getattr(rec, "draft_catchup_total", 0) or rec.draft_catchup
+                self.catchup_cost.observe(total, rec.draft_model_s,
                                           draft.round_seconds(rec.draft_k, rec.draft_rows),
                                           anchor=anchor)
             return

@@ -67,6 +67,12 @@ def test_caught_up_rows_in_a_batch_say_what_plain_says(tiny_llama, tiny_llama_dr
     for r, w in zip(reqs, want, strict=True):
         assert outs[r.request_id].token_ids == w, r.request_id
     assert engine.proposers["draft"].held_prefix(prompts[3]) == 0
+    # A step where the draft both took in a prompt chunk and drafted a round: the two
+    # calls timed apart (the round's time alone prices a round).
+    both = [r for r in engine.history if r.prompt_catchup and r.draft_rows]
+    assert both, "no step mixed a prompt catch-up with a round"
+    assert all(0 < r.draft_model_s and 0 < r.prompt_catchup_s
+               and r.draft_model_s + r.prompt_catchup_s <= r.draft_s + 1e-9 for r in both)
 
 
 def test_a_failed_catch_up_leaves_it_to_the_first_round(tiny_llama, tiny_llama_draft):

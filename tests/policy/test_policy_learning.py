@@ -342,14 +342,34 @@ def test_the_prompt_catch_up_beside_a_prefill_is_timed_apart_from_the_round():
     """The draft's call that takes in a prefilled chunk is a catch-up sample of its own;
     the decode rows' round in the same step is a round sample of its own time only."""
     policy = EnginePolicy()
+    for k in (1, 2, 3):  # rounds measured: the catch-up call's own round is priced
+        policy.observe_step(StepRecord(rows=1, tokens=k + 1, draft_s=0.025 * k,
+                                       verify_s=0.1, draft_rows=1, draft_k=k,
+                                       draft_model_s=0.025 * k, step_s=0.1 + 0.025 * k))
+    before = len(policy.draft_round_cost.samples)
     policy.observe_step(StepRecord(rows=2, tokens=131, draft_s=0.35, verify_s=0.5,
                                    draft_rows=1, draft_k=2, draft_model_s=0.05, step_s=0.85,
                                    draft_catchup=2, prompt_catchup=128, prompt_catchup_rows=1,
                                    prompt_catchup_s=0.3))
-    assert list(policy.draft_round_cost.live) == [(2.0, 1.0)]
-    # Per token: the catch-up call's 0.3 s, less at most one round, over its 128 tokens.
-    assert len(policy.catchup_cost.live) == 1
-    assert (0.3 - 0.05) / 128 <= policy.catchup_cost.live[0] <= 0.3 / 128
+    assert list(policy.draft_round_cost.samples)[before:] == [((2.0, 1.0), 0.05)]
+    # Per token: the catch-up call's 0.3 s, less its one round of k 1, over its 128 tokens.
+    one = policy.draft_round_cost.round_seconds(1, 1)
+    assert len(policy.catchup_cost.live) == 1 and 0 < one < 0.05
+    assert abs(policy.catchup_cost.live[0] - (0.3 - one) / 128) < 1e-9
+
+
+def test_hidden_or_thin_catch_ups_are_no_samples():
+    """Overlapped, the draft's catch-up ran beside the target's step and no draft time was
+    recorded: hidden, not free. Four rows of 16 prompt tokens each ride along one call
+    almost free: not a per-token price of a long prompt either."""
+    policy = EnginePolicy()
+    policy.observe_step(StepRecord(rows=1, tokens=3, draft_s=0.0, verify_s=0.1, step_s=0.1,
+                                   draft_catchup=500, draft_catchup_total=500,
+                                   overlapped=True))
+    policy.observe_step(StepRecord(rows=4, tokens=64, draft_s=0.05, verify_s=0.2,
+                                   step_s=0.25, prompt_catchup=64, prompt_catchup_rows=4,
+                                   prompt_catchup_s=0.05))
+    assert not policy.catchup_cost.live
 
 
 def test_standby_is_the_draft_so_its_cost_gets_probed():
