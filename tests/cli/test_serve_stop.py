@@ -52,8 +52,9 @@ def _wait_ready(base: str, proc: subprocess.Popen, timeout_s: float = 180) -> No
     raise AssertionError("not ready in time")
 
 
-def _stream(base: str, out: list) -> None:
-    """One streamed completion; records (status, tokens seen, finish reason, end time)."""
+def _stream(base: str, out: list, started: threading.Semaphore) -> None:
+    """One streamed completion; records (status, tokens seen, finish reason, end time) and
+    releases `started` at its first token, when the engine is surely running it."""
     tokens, finish = 0, None
     try:
         with httpx.stream("POST", f"{base}/v1/completions", timeout=120, json={
@@ -62,6 +63,8 @@ def _stream(base: str, out: list) -> None:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     tokens += 1
+                    if tokens == 1:
+                        started.release()
                     if '"finish_reason": "' in line:
                         finish = line.split('"finish_reason": "')[1].split('"')[0]
             out.append((r.status_code, tokens, finish, time.monotonic()))
@@ -87,10 +90,16 @@ def test_every_way_of_stopping_drains_and_exits_cleanly(how, tmp_path, tiny_llam
         _wait_ready(base, proc)
         driver = next(p for p in _children(proc.pid))
         results: list = []
-        clients = [threading.Thread(target=_stream, args=(base, results)) for _ in range(6)]
+        started = threading.Semaphore(0)
+        clients = [threading.Thread(target=_stream, args=(base, results, started))
+                   for _ in range(6)]
         for t in clients:
             t.start()
-        time.sleep(0.3)
+        # Signal once all six are streaming: a request still on its way to the proxy at the
+        # signal is not in flight (it meets an app being deleted), and on a slow machine
+        # a fixed pause does not tell the two apart.
+        for _ in clients:
+            assert started.acquire(timeout=60), "a request never started streaming"
         signalled = time.monotonic()
         if how == "ctrl-c":
             os.killpg(proc.pid, signal.SIGINT)

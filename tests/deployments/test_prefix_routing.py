@@ -47,7 +47,8 @@ def test_the_holder_is_the_replica_sent_the_longest_prefix():
 def base(tiny_llama, tiny_llama_draft):
     args = tiny_app_args(tiny_llama, tiny_llama_draft,
                          engine_autoscaling={"min_replicas": 2, "max_replicas": 2},
-                         engine_routing="prefix_affinity")
+                         engine_routing="prefix_affinity",
+                         runtime={"max_len": 256})  # room for the long replies below
     with local_ray(num_cpus=6):
         with serve_app(args) as url:
             yield url
@@ -91,8 +92,11 @@ def test_a_busy_holder_sends_the_overflow_to_the_other_replica(base):
     prefix = _words(7, 40)
     holder = _complete(base, prefix)["spec_decode"]["replica"]
 
+    # Replies long enough that the holder's queue builds while the rest still arrive through
+    # the ingress: with short ones a slow machine finishes each before the next comes, and
+    # the holder, never busy, rightly takes them all.
     def one(i):
-        return _complete(base, prefix + " " + _words(1000 + i, 3), max_tokens=48,
+        return _complete(base, prefix + " " + _words(1000 + i, 3), max_tokens=200,
                          ignore_eos=True, speculative={"mode": "off"})
 
     with concurrent.futures.ThreadPoolExecutor(14) as pool:
