@@ -51,3 +51,5 @@ class Tokens:
     error: str | None = None
     error_kind: ErrorKind | None = None
     engine_s: float | None = None  # seconds inside the replica, on the final chunk
+    # Where asked: per token of token_ids, (log-probability, [(id, log-probability)...]).
+    logprobs: list | None = None

@@ -116,7 +116,8 @@ class EngineServer:
                        k=out.k, cached_tokens=out.cached_tokens,
                        spec={**out.spec.as_dict(), "free_guesses": out.free_guesses,
                              "free_accepted": out.free_accepted} if out.finished else None,
-                       error=out.error, error_kind=out.error_kind)
+                       error=out.error, error_kind=out.error_kind,
+                       logprobs=out.new_logprobs if stream else out.logprobs)
         loop.call_soon_threadsafe(queue.put_nowait, chunk)
 
     # ---- the API the router calls ----------------------------------------------------------

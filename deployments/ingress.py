@@ -24,13 +24,14 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.app_config import AppArgs
 from deployments.body_limit import BodyLimit
-from deployments.contract import Decided, GenerateCall, Refused, Tokens
+from deployments.contract import GenerateCall
+from deployments.logprobs_format import LogprobFormat
 from deployments.metrics import IngressMetrics
 from deployments.openai_api import (
     APIError,
@@ -38,12 +39,15 @@ from deployments.openai_api import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
     ErrorResponse,
+    TokenizeRequest,
     error_response,
     validation_message,
 )
+from deployments.responses import RETRY_AFTER_S, Replies, raise_for, unavailable
 from deployments.startup import waiting_for
-from specdec.errors import ConfigError, ErrorKind
+from specdec.errors import ConfigError
 from specdec.model.sampling import SamplingParams
 from specdec.pack.hub import resolve
 from specdec.pack.tokenizer import chat_ids, load_tokenizer
@@ -53,7 +57,6 @@ log = logging.getLogger("ray.serve")
 MAX_BODY_BYTES = 4 << 20  # a body beyond this is refused (413) before it is read whole
 api = FastAPI(title="specdec-serve", version="0.2.0", openapi_url=None)
 api.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
-RETRY_AFTER_S = "2"
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
 
 
@@ -127,6 +130,7 @@ class IngressServer:
         self.metrics = IngressMetrics()
         global _metrics
         _metrics = self.metrics
+        self._replies = Replies(self.model_name, LogprobFormat(self.tokenizer), _count)
         self.api_key = api_key_from(os.environ, self.args.api_key)
         self._health: tuple[float, dict] | None = None  # (when, the engine's answer)
         # One thread: tokenizers are not safe to share across threads, and the point is
@@ -166,9 +170,13 @@ class IngressServer:
             token.strip().encode(), self.api_key.encode())
 
     async def _check(self, request: Request, req) -> None:
+        await self._check_model(request, req.model)
+
+    async def _check_model(self, request: Request, model: str | None) -> None:
+        """The key, the model named (None: the one served), an engine up."""
         self._check_key(request)
-        if req.model not in (self.model_name, self.args.engine.target.model):
-            raise APIError(404, f"model {req.model!r} does not exist; this server serves "
+        if model is not None and model not in (self.model_name, self.args.engine.target.model):
+            raise APIError(404, f"model {model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", param="model", code="model_not_found")
         await self._wait_for_engine()
 
@@ -225,67 +233,19 @@ class IngressServer:
         try:
             params = SamplingParams(temperature=req.temperature, top_p=req.top_p,
                                     top_k=req.top_k, seed=req.seed, max_tokens=max_tokens,
-                                    stop=tuple(req.stop or ()), ignore_eos=req.ignore_eos)
+                                    stop=tuple(req.stop or ()), ignore_eos=req.ignore_eos,
+                                    logprobs=req.top_logprobs_asked())
         except ValueError as exc:  # the schema's bounds come first; this is the last guard
             raise APIError(400, str(exc)) from exc
         return GenerateCall(uuid.uuid4().hex, prompt_ids, params,
                             Overrides(spec.mode, spec.method, spec.k), bool(req.stream))
-
-    @staticmethod
-    def _spec_report(decision: dict, final: Tokens | None) -> dict:
-        s = (final.spec if final else None) or {}
-        return {"mode": decision["mode"], "method": decision["method"], "k": decision["k"],
-                "engine_s": final.engine_s if final else None,
-                "k_last_round": final.k if final else None, "reason": decision["reason"],
-                "standby": decision.get("standby"),
-                "replica": decision.get("replica"),  # the engine replica that served it
-                "inputs": decision["inputs"],
-                "expected_speedup": round(decision["expected_speedup"], 3),
-                **{key: s.get(key) for key in ("rounds", "drafted", "accepted",
-                                               "mean_acceptance_length",
-                                               "draft_acceptance_ratio", "alpha_estimate",
-                                               "per_position_acceptance", "plain_steps",
-                                               "free_guesses", "free_accepted")}}
 
     async def _respond(self, req, call: GenerateCall, chat: bool):
         """The OpenAI response for completions or chat, streamed (SSE) or whole. The
         engine's first answer (its decision, or a refusal) comes before any header, so a
         refused request gets its status code even when it asked for a stream."""
         gen, decision = await self._open(call)
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{call.request_id}",
-                "created": int(time.time()), "model": self.model_name}
-        if req.stream:
-            obj = "chat.completion.chunk" if chat else "text_completion"
-
-            def chunk(c, usage_only=False):
-                body = {**head, "object": obj, "choices": []}
-                if usage_only:
-                    body["usage"] = _usage(c)
-                    body["spec_decode"] = self._spec_report(decision, c)
-                elif chat:
-                    delta = {"content": c.text} if c.text else {}
-                    body["choices"] = [{"index": 0, "delta": delta,
-                                        "finish_reason": c.finish_reason}]
-                else:
-                    body["choices"] = [{"index": 0, "text": c.text, "logprobs": None,
-                                        "finish_reason": c.finish_reason}]
-                return body
-
-            # Chat streams open with the assistant's role, as OpenAI's do.
-            first = {**head, "object": obj, "choices": [{
-                "index": 0, "delta": {"role": "assistant", "content": ""},
-                "finish_reason": None}]} if chat else None
-            inc = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._sse(gen, chunk, first, inc),
-                                     media_type="text/event-stream")
-        text, final = await self._collect(gen)
-        reason = final.finish_reason if final else None
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": reason} if chat else \
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        return {**head, "object": "chat.completion" if chat else "text_completion",
-                "choices": [choice], "usage": _usage(final),
-                "spec_decode": self._spec_report(decision, final)}
+        return await self._replies.respond(req, call.request_id, gen, decision, chat)
 
     async def _open(self, call: GenerateCall):
         """Start the request on an engine replica and read its decision (or refusal)."""
@@ -294,99 +254,14 @@ class IngressServer:
             first = await gen.__anext__()
         except Exception as exc:  # the replica died or Serve could not reach one
             gen.cancel()
-            raise APIError(503, f"no engine available: {type(exc).__name__}",
-                           "service_unavailable", code="engine_unavailable",
-                           headers={"Retry-After": RETRY_AFTER_S}) from exc
+            raise unavailable(exc) from exc
         try:
-            self._raise_for(first)
+            raise_for(first)
         except APIError:
             gen.cancel()
             raise
         self.metrics.decided(first.decision)
         return gen, first.decision
-
-    @staticmethod
-    def _raise_for(chunk: Decided | Refused | Tokens) -> None:
-        if isinstance(chunk, Refused):
-            raise _api_error(chunk.kind, chunk.message, chunk.param)
-        if isinstance(chunk, Tokens) and chunk.finish_reason == "error":
-            raise _api_error(chunk.error_kind or ErrorKind.TARGET_LOST, chunk.error or "")
-
-    async def _collect(self, gen) -> tuple[str, Tokens | None]:
-        text, final = [], None
-        try:
-            async for chunk in gen:
-                self._raise_for(chunk)
-                text.append(chunk.text)
-                final = chunk
-        except APIError:
-            raise
-        except Exception as exc:  # the replica died or Serve could not reach one
-            raise APIError(503, f"no engine available: {type(exc).__name__}",
-                           "service_unavailable", code="engine_unavailable",
-                           headers={"Retry-After": RETRY_AFTER_S}) from exc
-        return "".join(text), final
-
-    async def _sse(self, gen, make_chunk, first_chunk, include_usage: bool):
-        finished = False
-        try:
-            if first_chunk is not None:
-                yield f"data: {json.dumps(first_chunk)}\n\n"
-            final: Tokens | None = None
-            async for chunk in gen:
-                try:
-                    self._raise_for(chunk)
-                except APIError as exc:
-                    finished = True
-                    yield f"data: {json.dumps(_err(exc))}\n\n"
-                    break
-                final = chunk
-                if chunk.text or chunk.finished:
-                    yield f"data: {json.dumps(make_chunk(chunk))}\n\n"
-                finished = chunk.finished
-            if final is not None and final.finished and include_usage:
-                yield f"data: {json.dumps(make_chunk(final, usage_only=True))}\n\n"
-            yield "data: [DONE]\n\n"
-        except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
-            finished = True
-            err = APIError(503, f"no engine available: {type(exc).__name__}",
-                           "service_unavailable", code="engine_unavailable")
-            yield f"data: {json.dumps(_err(err))}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            if not finished:  # the client went away: free the engine's slot
-                gen.cancel()
-
-
-def _err(exc: APIError) -> dict:
-    """An error reported inside a stream (the status line is already sent)."""
-    _count(exc.status, exc.code)
-    return exc.body()
-
-
-def _usage(final: Tokens | None) -> dict:
-    p, c = (final.prompt_tokens, final.completion_tokens) if final else (0, 0)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": final.cached_tokens if final else 0}}
-
-
-# What the client is told for each way a request can fail inside the engine: status, type,
-# code, and whether to retry (Retry-After).
-_STATUS = {
-    ErrorKind.INVALID: (400, "invalid_request_error", None, False),
-    ErrorKind.CAPACITY: (503, "overloaded_error", "overloaded", True),
-    ErrorKind.TARGET_DOWN: (503, "service_unavailable", "engine_unavailable", True),
-    ErrorKind.TARGET_LOST: (503, "service_unavailable", "engine_unavailable", True),
-    ErrorKind.INTERNAL: (500, "server_error", "engine_error", False),
-}
-_PREFIX = {ErrorKind.TARGET_LOST: "the engine lost its target mid-request: ",
-           ErrorKind.INTERNAL: "the engine failed on this request's step: "}
-
-
-def _api_error(kind: ErrorKind, message: str, param: str | None = None) -> APIError:
-    status, kind_type, code, retry = _STATUS[kind]
-    return APIError(status, _PREFIX.get(kind, "") + message, kind_type, param=param, code=code,
-                    headers={"Retry-After": RETRY_AFTER_S} if retry else None)
 
 
 @serve.deployment(name="Ingress")
@@ -435,6 +310,35 @@ class Ingress(IngressServer):
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": 0, "owned_by": "specdec-serve",
             "max_model_len": self.max_len}]}
+
+    @api.post("/tokenize", responses=_ERRORS)
+    async def tokenize(self, body: TokenizeRequest, request: Request) -> dict:
+        """The token ids a prompt (or a chat, through the model's template) becomes."""
+        await self._check_model(request, body.model)
+        if body.prompt is not None:
+            self._check_chars(len(body.prompt), "prompt")
+            ids = (await self._off_loop(lambda: self.tokenizer(
+                body.prompt, add_special_tokens=body.add_special_tokens))).input_ids
+        else:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+            ids = await self._off_loop(lambda: list(self.tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=False,
+                add_generation_prompt=body.add_generation_prompt)))
+        out = {"count": len(ids), "max_model_len": self.max_len, "tokens": list(ids)}
+        if body.return_token_strs:
+            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(list(ids))
+        return out
+
+    @api.post("/detokenize", responses=_ERRORS)
+    async def detokenize(self, body: DetokenizeRequest, request: Request) -> dict:
+        await self._check_model(request, body.model)
+        vocab = len(self.tokenizer)
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens holds ids outside the vocabulary (0..{vocab - 1}): "
+                                f"{bad[:5]}", param="tokens")
+        return {"prompt": await self._off_loop(self.tokenizer.decode, body.tokens)}
 
     @api.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(self, body: CompletionRequest, request: Request):

@@ -30,7 +30,7 @@ from pydantic import (
     field_validator,
 )
 
-from specdec.model.sampling import SEED_MAX, SEED_MIN
+from specdec.model.sampling import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
 
 MAX_TOKENS_CAP = 1 << 20
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -90,7 +90,7 @@ class StreamOptions(BaseModel):
 # only at the values that mean "off" (what a client library sends when the user set nothing).
 UNIMPLEMENTED_OFF: dict[str, tuple] = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": (None, {}),
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1),
+    "best_of": (None, 1),
     "echo": (False,), "suffix": (None, ""), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
@@ -168,6 +168,12 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[str] | list[int] = Field(
         description="one prompt: text, [text], or a list of token ids")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "Report each token's log-probability and this many most likely alternatives "
+        "(the target's raw distribution: before temperature, top_k and top_p)."))
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -245,6 +251,55 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=100_000)
+    logprobs: bool | None = Field(False, description=(
+        "Report each token's log-probability (the target's raw distribution: before "
+        "temperature, top_k and top_p)."))
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "With logprobs: this many most likely alternatives per token."))
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v, info: ValidationInfo):
+        if v and not info.data.get("logprobs"):
+            raise ValueError("requires logprobs to be true")
+        return v
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): a prompt, or chat messages through the model's
+    template, to the token ids the engine would be given."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(None, max_length=256)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=100_000,
+                                               validate_default=True)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _valid(cls, v):
+        return None if v is None else _text(v, "prompt")
+
+    @field_validator("messages")
+    @classmethod
+    def _one_of(cls, v, info: ValidationInfo):
+        if (v is None) == (info.data.get("prompt") is None):
+            raise ValueError("give either prompt or messages")
+        return v
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's shape): token ids to text."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(None, max_length=256)
+    tokens: list[int] = Field(max_length=1_000_000)
 
 
 # ---- responses (documented in /openapi.json) ---------------------------------------------
@@ -278,7 +333,8 @@ class SpecDecode(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict | None = Field(None, description=(
+        "With `logprobs` asked: tokens, token_logprobs, top_logprobs, text_offset."))
     finish_reason: str | None
 
 
@@ -300,6 +356,8 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
+    logprobs: dict | None = Field(None, description=(
+        "With `logprobs` asked: content, a list of {token, logprob, bytes, top_logprobs}."))
     finish_reason: str | None
 
 

@@ -37,6 +37,10 @@ def apply_result(seq: Seq, row: TargetRow, res: TargetResult, proposer: Proposer
     (seq.spec if own else seq.free).record_round(drafted, kept, len(new))
     totals[(method or req.method) if drafted else "none"].record_round(drafted, kept, len(new))
     new, reason = _cut(seq, new, eos_ids)
+    if res.logprobs is not None:
+        # Only the tokens kept after the cut; a settled overlap token never comes with
+        # log-probabilities (rows asking for them are not deferred: planner.py).
+        seq.logprobs.extend(res.logprobs[: len(new)])
     seq.tokens.extend(new)
     if new and seq.first_token is None:
         seq.first_token = time.monotonic()
@@ -72,6 +76,9 @@ def make_output(seq: Seq, new: list[int], finished: bool, reason: str | None,
                         finished, reason, seq.prompt_len, seq.spec, error, seq.k_now,
                         seq.req.method, kind, cached_tokens=seq.reused,
                         free_guesses=seq.free.drafted, free_accepted=seq.free.accepted)
+    if seq.req.params.logprobs is not None:
+        out.logprobs = list(seq.logprobs) if finished else None  # the whole, once
+        out.new_logprobs = seq.logprobs[len(seq.logprobs) - len(new):] if new else []
     if finished and seq.req.arrival:
         now = time.monotonic()
         out.queue_s = seq.admitted - seq.req.arrival

@@ -127,10 +127,14 @@ def _asks(decode: list[Seq], rec: StepRecord, max_len: int) -> _Asks:
     out = _Asks(collections.defaultdict(list), [], {})
     for seq in decode:
         rid, method = seq.req.request_id, seq.req.method
-        if rec.overlapped and seq.k_now and method == "draft":
+        # A row asking for log-probabilities drafts before the step instead: a deferred
+        # position's token is settled after the forward, without its logits.
+        ahead_of_step = rec.overlapped and method == "draft" and bool(seq.k_now) \
+            and seq.req.params.logprobs is None
+        if ahead_of_step:
             rec.draft_catchup = max(rec.draft_catchup, len(seq.tokens) - seq.draft_seen)
             seq.draft_seen = len(seq.tokens)
-        if rec.overlapped and method == "draft" and seq.k_now:
+        if ahead_of_step:
             # This step verifies the guesses drafted during the last one; the draft goes on
             # from their end, as if they will all be kept.
             ahead = seq.ahead.token_ids[: seq.k_now] if seq.ahead else []

@@ -56,6 +56,10 @@ class RequestOutput:
     # verified and kept; not in `spec`, which is the request's own method's.
     free_guesses: int = 0
     free_accepted: int = 0
+    # Where the request asked for them: per token of token_ids and of new_token_ids, the
+    # target's log-probability and top alternatives (spec_decode/logprobs.py).
+    logprobs: list | None = None
+    new_logprobs: list | None = None
     # On the final output: seconds queued before a slot, to the first token, end to end.
     queue_s: float | None = None
     ttft_s: float | None = None

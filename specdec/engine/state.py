@@ -11,6 +11,7 @@ from collections.abc import Callable
 from specdec.engine.request import Request
 from specdec.engine.stop import Detokenizer
 from specdec.spec_decode.counters import SpecCounters
+from specdec.spec_decode.logprobs import TokenLogprob
 from specdec.spec_decode.proposal import Proposal
 
 # Defaults of the engine's limits, shared with EngineSpec (the validated config).
@@ -98,6 +99,8 @@ class Seq:
     # (not in `spec`, which judges the request's own method).
     k_free: int = 0
     free: SpecCounters = dataclasses.field(default_factory=SpecCounters)
+    # Per generated token, where the request asked for them (spec_decode/logprobs.py).
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
     @property
     def generated(self) -> int:

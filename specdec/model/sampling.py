@@ -14,6 +14,7 @@ import torch
 from specdec.model.host_copy import to_device, to_device_all
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+MAX_TOP_LOGPROBS = 20  # alternatives per token at most (OpenAI's chat limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +26,11 @@ class SamplingParams:
     max_tokens: int = 16
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # Report each emitted token's log-probability and this many top alternatives (None: no
+    # log-probabilities). They are the target's raw distribution (its logits' log-softmax,
+    # before temperature, top-k and top-p), as vLLM reports by default: the same numbers
+    # whether a token was decoded plainly or kept from a guess.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < float("inf"):  # NaN fails this too
@@ -35,6 +41,8 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be in {SEED_MIN}..{SEED_MAX} (what a generator takes)")
 

@@ -22,6 +22,7 @@ from specdec.model.sampling import SamplingParams, make_generator, warp_probs
 from specdec.model.seeded import race_key, race_pick
 from specdec.model.static_step import graph_builds
 from specdec.spec_decode.calls import CallStats
+from specdec.spec_decode.logprobs import TokenLogprob, emitted_logprobs
 from specdec.spec_decode.rejection import rejection_sample, row_uniforms
 
 
@@ -48,6 +49,9 @@ class TargetResult:
     num_accepted: int
     deferred: bool = False     # all kept and no bonus drawn: resolve() emits that token
     error: str | None = None   # the row failed (its values went non-finite): no tokens
+    # Per emitted token, where the request asked for them (logprobs.py): the target's
+    # log-probability and top alternatives at the position that predicted it.
+    logprobs: list[TokenLogprob] | None = None
 
 NON_FINITE = "the model's values for this request became non-finite (NaN or infinity)"
 
@@ -115,15 +119,41 @@ def verify_step(model: Decoder, cache: KVCache, rows: list[TargetRow],
             idx.extend(range(end - r.num_draft - 1, end))
         offset = end
     chosen = [rows[i] for i in sampled]
-    # All-greedy batches need only the argmax (under TP a reduction, not a logits gather).
+    # All-greedy batches need only the argmax (under TP a reduction, not a logits gather),
+    # unless a row wants its log-probabilities.
+    wants_lp = any(params[r.seq_id].logprobs is not None for r in chosen)
     greedy = bool(chosen) and all(params[r.seq_id].greedy for r in chosen)
     # The positions stay on the host: the forward moves them with its other inputs.
-    out = model(batch, cache, torch.tensor(idx, dtype=torch.long), argmax=greedy)
+    out = model(batch, cache, torch.tensor(idx, dtype=torch.long),
+                argmax=greedy and not wants_lp)
     if not sampled:
         return []
-    if greedy:
+    if greedy and not wants_lp:
         return _greedy_rows(chosen, out.tolist(), deferred)
-    return _sample_rows(chosen, out, params, generators, deferred)
+    if greedy:  # the argmax of the logits, as the model's argmax path takes it
+        best = torch.where(torch.isfinite(out).all(-1), out.argmax(-1), -1)
+        results = _greedy_rows(chosen, best.tolist(), deferred)
+    else:
+        results = _sample_rows(chosen, out, params, generators, deferred)
+    return _with_logprobs(chosen, results, out, params) if wants_lp else results
+
+
+def _with_logprobs(rows: list[TargetRow], results: list[TargetResult], logits: torch.Tensor,
+                   params: dict[str, SamplingParams]) -> list[TargetResult]:
+    """Attach each asking row's log-probabilities: its emitted token j was predicted at its
+    j-th verified position (flat: the row's offset in the logits + j)."""
+    asking, positions, tokens, tops, off = [], [], [], [], 0
+    for r, res in zip(rows, results, strict=True):
+        top = params[r.seq_id].logprobs
+        if top is not None and res.error is None:
+            asking.append(res)
+            positions.append([off + j for j in range(len(res.tokens))])
+            tokens.append(res.tokens)
+            tops.append(top)
+        off += r.num_draft + 1
+    for res, lps in zip(asking, emitted_logprobs(logits, positions, tokens, tops), strict=True):
+        res.logprobs = lps
+    return results
 
 
 def _greedy_rows(rows: list[TargetRow], best: list[int],

@@ -178,7 +178,7 @@ def test_sse_wire_format_ends_with_done(server):
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "x", "speculative": {"mode": "sometimes"}}, 400, "speculative.mode"),
     ({"prompt": "x", "model": "gpt-9"}, 404, "model"),
-    ({"prompt": "x", "logprobs": 3}, 400, None),
+    ({"prompt": "x", "logprobs": 30}, 400, "logprobs"),
 ])
 def test_bad_requests_get_openai_errors_naming_the_field(server, body, status, param):
     client, _ = server
