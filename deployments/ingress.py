@@ -45,7 +45,13 @@ from deployments.openai_api import (
     error_response,
     validation_message,
 )
-from deployments.responses import RETRY_AFTER_S, Replies, raise_for, unavailable
+from deployments.responses import (
+    RETRY_AFTER_S,
+    Replies,
+    choice_calls,
+    raise_for,
+    unavailable,
+)
 from deployments.startup import waiting_for
 from specdec.errors import ConfigError
 from specdec.model.sampling import SamplingParams
@@ -244,8 +250,17 @@ class IngressServer:
         """The OpenAI response for completions or chat, streamed (SSE) or whole. The
         engine's first answer (its decision, or a refusal) comes before any header, so a
         refused request gets its status code even when it asked for a stream."""
-        gen, decision = await self._open(call)
-        return await self._replies.respond(req, call.request_id, gen, decision, chat)
+        gens, decision = [], None
+        try:
+            for choice in choice_calls(call, req.n):
+                gen, decided = await self._open(choice)
+                gens.append(gen)
+                decision = decision or decided
+        except APIError:
+            for gen in gens:  # a later choice was refused: the earlier ones stop too
+                gen.cancel()
+            raise
+        return await self._replies.respond(req, call.request_id, gens, decision, chat)
 
     async def _open(self, call: GenerateCall):
         """Start the request on an engine replica and read its decision (or refusal)."""

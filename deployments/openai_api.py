@@ -78,6 +78,9 @@ class SpeculativeOverride(BaseModel):
     method: Literal["draft", "suffix", "ngram"] | None = None
 
 
+MAX_CHOICES = 16  # choices per request (n): each holds a slot of its own
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
@@ -132,20 +135,14 @@ class _SamplingFields(_Unimplemented):
     top_k: int = Field(0, ge=0, le=MAX_TOKENS_CAP)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description=(
+        "Choices to generate from the prompt, each sampled (and speculating) on its own."))
     stream: bool = False
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOverride = Field(default_factory=SpeculativeOverride)
     # vLLM's extension: generate exactly max_tokens (benchmarks, fixed-length tests).
     ignore_eos: bool = False
     user: str | None = Field(None, max_length=256)
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n = 1 is supported")
-        return v
 
     @field_validator("stop")
     @classmethod

@@ -5,16 +5,19 @@ status in one table. Formatting only: what the request gets was decided by the e
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Callable
 
 from fastapi.responses import StreamingResponse
 
-from deployments.contract import Decided, Refused, Tokens
+from deployments.contract import Decided, GenerateCall, Refused, Tokens
 from deployments.logprobs_format import LogprobFormat
 from deployments.openai_api import APIError
 from specdec.errors import ErrorKind
+from specdec.model.sampling import SEED_MAX, SEED_MIN
 
 RETRY_AFTER_S = "2"
 
@@ -43,6 +46,21 @@ def unavailable(exc: BaseException) -> APIError:
                     code="engine_unavailable", headers={"Retry-After": RETRY_AFTER_S})
 
 
+def choice_calls(call: GenerateCall, n: int) -> list[GenerateCall]:
+    """The engine requests of `n` choices: each its own sequence, speculating on its own;
+    they share the prompt, whose K/V the prefix cache shares. A seeded request's choice i
+    takes seed + i (wrapped into the seed range), so choice i is what the same request
+    with that seed alone would give, and the choices differ; greedy choices are alike."""
+    out = [call]
+    for i in range(1, n):
+        seed = call.params.seed
+        if seed is not None:
+            seed = SEED_MIN + (seed + i - SEED_MIN) % (SEED_MAX - SEED_MIN + 1)
+        out.append(dataclasses.replace(call, request_id=f"{call.request_id}-{i}",
+                                       params=dataclasses.replace(call.params, seed=seed)))
+    return out
+
+
 def raise_for(chunk: Decided | Refused | Tokens) -> None:
     if isinstance(chunk, Refused):
         raise api_error(chunk.kind, chunk.message, chunk.param)
@@ -50,10 +68,13 @@ def raise_for(chunk: Decided | Refused | Tokens) -> None:
         raise api_error(chunk.error_kind or ErrorKind.TARGET_LOST, chunk.error or "")
 
 
-def usage(final: Tokens | None) -> dict:
-    p, c = (final.prompt_tokens, final.completion_tokens) if final else (0, 0)
+def usage(finals: list[Tokens | None]) -> dict:
+    """The prompt counted once, the completion tokens of every choice (OpenAI's way)."""
+    first = finals[0] if finals else None
+    p = first.prompt_tokens if first else 0
+    c = sum(f.completion_tokens for f in finals if f is not None)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": final.cached_tokens if final else 0}}
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens if first else 0}}
 
 
 def spec_report(decision: dict, final: Tokens | None) -> dict:
@@ -73,63 +94,73 @@ def spec_report(decision: dict, final: Tokens | None) -> dict:
 
 
 class Replies:
-    """One request's response from its engine stream. count(status, code): the error
-    metrics' hook, for errors reported inside a stream."""
+    """One request's response from its engine streams, one per choice (`n`). count(status,
+    code): the error metrics' hook, for errors reported inside a stream."""
 
     def __init__(self, model_name: str, logprobs: LogprobFormat,
                  count: Callable[[int, str | None], None]) -> None:
         self.model_name, self.logprobs, self._count = model_name, logprobs, count
 
-    async def respond(self, req, request_id: str, gen, decision: dict, chat: bool):
+    async def respond(self, req, request_id: str, gens: list, decision: dict, chat: bool):
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
                 "created": int(time.time()), "model": self.model_name}
         if req.stream:
-            return self._stream(req, gen, decision, chat, head)
-        return await self._whole(gen, decision, chat, head)
+            return self._stream(req, gens, decision, chat, head)
+        return await self._whole(gens, decision, chat, head)
 
-    async def _whole(self, gen, decision: dict, chat: bool, head: dict) -> dict:
-        text, final = await self._collect(gen)
-        reason = final.finish_reason if final else None
-        ids, lps = (final.token_ids, final.logprobs) if final else ([], None)
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self.logprobs.chat(ids, lps), "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text,
-                      "logprobs": self.logprobs.completion(ids, lps),
-                      "finish_reason": reason}
-        return {**head, "object": "chat.completion" if chat else "text_completion",
-                "choices": [choice], "usage": usage(final),
-                "spec_decode": spec_report(decision, final)}
-
-    def _stream(self, req, gen, decision: dict, chat: bool, head: dict) -> StreamingResponse:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        offset = [0]  # characters of the completion's text before this chunk's tokens
-
-        def chunk(c: Tokens, usage_only: bool = False) -> dict:
-            body = {**head, "object": obj, "choices": []}
-            if usage_only:
-                body["usage"] = usage(c)
-                body["spec_decode"] = spec_report(decision, c)
-            elif chat:
-                delta = {"content": c.text} if c.text else {}
-                body["choices"] = [{"index": 0, "delta": delta,
-                                    "logprobs": self.logprobs.chat(c.token_ids, c.logprobs),
-                                    "finish_reason": c.finish_reason}]
+    async def _whole(self, gens: list, decision: dict, chat: bool, head: dict) -> dict:
+        try:
+            got = await asyncio.gather(*(self._collect(g) for g in gens))
+        except BaseException:
+            for g in gens:  # one choice failed: the others' slots are freed too
+                g.cancel()
+            raise
+        choices = []
+        for i, (text, final) in enumerate(got):
+            reason = final.finish_reason if final else None
+            ids, lps = (final.token_ids, final.logprobs) if final else ([], None)
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": self.logprobs.chat(ids, lps),
+                                "finish_reason": reason})
             else:
-                lps = self.logprobs.completion(c.token_ids, c.logprobs, offset[0])
-                if lps is not None and lps["tokens"]:
-                    offset[0] = lps["text_offset"][-1] + len(lps["tokens"][-1])
-                body["choices"] = [{"index": 0, "text": c.text, "logprobs": lps,
-                                    "finish_reason": c.finish_reason}]
-            return body
+                choices.append({"index": i, "text": text,
+                                "logprobs": self.logprobs.completion(ids, lps),
+                                "finish_reason": reason})
+        finals = [f for _, f in got]
+        return {**head, "object": "chat.completion" if chat else "text_completion",
+                "choices": choices, "usage": usage(finals),
+                "spec_decode": spec_report(decision, finals[0])}
 
-        # Chat streams open with the assistant's role, as OpenAI's do.
-        first = {**head, "object": obj, "choices": [{
-            "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-            "finish_reason": None}]} if chat else None
+    def _stream(self, req, gens: list, decision: dict, chat: bool,
+                head: dict) -> StreamingResponse:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        offset = [0] * len(gens)  # per choice: characters of its text before this chunk
+
+        def chunk(i: int, c: Tokens) -> dict:
+            if chat:
+                delta = {"content": c.text} if c.text else {}
+                choice = {"index": i, "delta": delta,
+                          "logprobs": self.logprobs.chat(c.token_ids, c.logprobs),
+                          "finish_reason": c.finish_reason}
+            else:
+                lps = self.logprobs.completion(c.token_ids, c.logprobs, offset[i])
+                if lps is not None and lps["tokens"]:
+                    offset[i] = lps["text_offset"][-1] + len(lps["tokens"][-1])
+                choice = {"index": i, "text": c.text, "logprobs": lps,
+                          "finish_reason": c.finish_reason}
+            return {**head, "object": obj, "choices": [choice]}
+
+        def usage_chunk(finals: list[Tokens]) -> dict:
+            return {**head, "object": obj, "choices": [], "usage": usage(finals),
+                    "spec_decode": spec_report(decision, finals[0])}
+
+        # Chat streams open with the assistant's role for each choice, as OpenAI's do.
+        first = [{**head, "object": obj, "choices": [{
+            "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}]} for i in range(len(gens))] if chat else []
         inc = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(self._sse(gen, chunk, first, inc),
+        return StreamingResponse(self._sse(gens, chunk, usage_chunk, first, inc),
                                  media_type="text/event-stream")
 
     @staticmethod
@@ -146,37 +177,72 @@ class Replies:
             raise unavailable(exc) from exc
         return "".join(text), final
 
-    async def _sse(self, gen, make_chunk, first_chunk, include_usage: bool):
-        finished = False
+    async def _sse(self, gens: list, make_chunk, usage_chunk, first_chunks: list,
+                   include_usage: bool):
+        finals: list[Tokens | None] = [None] * len(gens)
+        failed = False
         try:
-            if first_chunk is not None:
-                yield f"data: {json.dumps(first_chunk)}\n\n"
-            final: Tokens | None = None
-            async for chunk in gen:
+            for c in first_chunks:
+                yield f"data: {json.dumps(c)}\n\n"
+            async for i, chunk in _merged(gens):
                 try:
                     raise_for(chunk)
                 except APIError as exc:
-                    finished = True
+                    failed = True
                     yield f"data: {json.dumps(self._in_band(exc))}\n\n"
                     break
-                final = chunk
                 if chunk.text or chunk.finished or chunk.logprobs:
-                    yield f"data: {json.dumps(make_chunk(chunk))}\n\n"
-                finished = chunk.finished
-            if final is not None and final.finished and include_usage:
-                yield f"data: {json.dumps(make_chunk(final, usage_only=True))}\n\n"
+                    yield f"data: {json.dumps(make_chunk(i, chunk))}\n\n"
+                if chunk.finished:
+                    finals[i] = chunk
+            if include_usage and all(f is not None for f in finals):
+                yield f"data: {json.dumps(usage_chunk(finals))}\n\n"
             yield "data: [DONE]\n\n"
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
-            finished = True
+            failed = True
             err = APIError(503, f"no engine available: {type(exc).__name__}",
                            "service_unavailable", code="engine_unavailable")
             yield f"data: {json.dumps(self._in_band(err))}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:  # the client went away: free the engine's slot
-                gen.cancel()
+            for g, f in zip(gens, finals, strict=True):
+                if failed or f is None:  # the client went away, or a choice failed
+                    g.cancel()
 
     def _in_band(self, exc: APIError) -> dict:
         """An error reported inside a stream (the status line is already sent)."""
         self._count(exc.status, exc.code)
         return exc.body()
+
+
+async def _merged(gens: list):
+    """(choice index, chunk) from every choice's stream as chunks arrive."""
+    if len(gens) == 1:
+        async for c in gens[0]:
+            yield 0, c
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, gen) -> None:
+        try:
+            async for c in gen:
+                await queue.put((i, c))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            await queue.put((i, exc))
+        await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(gens)
+        while left:
+            i, c = await queue.get()
+            if c is done:
+                left -= 1
+            elif isinstance(c, Exception):
+                raise c
+            else:
+                yield i, c
+    finally:
+        for t in tasks:
+            t.cancel()

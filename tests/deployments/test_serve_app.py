@@ -174,7 +174,7 @@ def test_sse_wire_format_ends_with_done(server):
     ({"prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
     ({"prompt": "x", "max_tokens": 10_000}, 400, "max_tokens"),
     ({"prompt": "word " * 600, "max_tokens": 4}, 400, "prompt"),
-    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "n": 17}, 400, "n"),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "x", "speculative": {"mode": "sometimes"}}, 400, "speculative.mode"),
     ({"prompt": "x", "model": "gpt-9"}, 404, "model"),

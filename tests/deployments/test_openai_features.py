@@ -1,7 +1,7 @@
-"""Log-probabilities over HTTP with the official openai client, and /tokenize,
-/detokenize: on the tiny fixture pair served by Ray (the target a Ray actor group), each
-token's log-probability is the target's own (transformers' forward over prompt + output),
-the same with speculation on and off, streamed and whole, chat and completions."""
+"""OpenAI features over HTTP with the official openai client, on the tiny fixture pair
+served by Ray (the target a Ray actor group): log-probabilities (each token's is the
+target's own, transformers' forward over prompt + output, the same with speculation on and
+off, streamed and whole, chat and completions), n choices, /tokenize and /detokenize."""
 
 from __future__ import annotations
 
@@ -126,3 +126,28 @@ def test_tokenize_and_detokenize(base, tiny_llama):
         assert err.status_code == 400 and err.json()["error"]["param"] == param, err.text
     assert httpx.post(f"{base}/tokenize", json={"model": "gpt-9", "prompt": "w5"}
                       ).status_code == 404
+
+
+def test_n_choices_each_what_its_seed_gives_alone(client):
+    """n = 3 sampled with a seed: choice i is the same request alone with seed + i (the
+    seeded race makes that exact), so the choices differ and repeat; streamed, each
+    choice's pieces add up to the whole one's text; usage counts the prompt once."""
+    args = dict(model="tiny", prompt=PROMPT, max_tokens=10, temperature=1.0,
+                extra_body={"ignore_eos": True, "speculative": {"mode": "on", "k": 2}})
+    many = client.completions.create(n=3, seed=40, **args)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    texts = [c.text for c in many.choices]
+    alone = [client.completions.create(seed=40 + i, **args).choices[0].text for i in range(3)]
+    assert texts == alone and len(set(texts)) > 1
+    assert many.usage.prompt_tokens == len(PROMPT)
+    assert many.usage.completion_tokens == 30
+    streamed = ["", "", ""]
+    for c in client.completions.create(n=3, seed=40, stream=True, **args):
+        for choice in c.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == texts
+    chat = client.chat.completions.create(
+        model="tiny", n=2, max_tokens=6, temperature=0,
+        messages=[{"role": "user", "content": "w5 w6"}])
+    assert len(chat.choices) == 2
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy
