@@ -235,16 +235,36 @@ class IngressServer:
                                     f"tokens) exceeds the context limit of {self.max_len}",
                                param="max_tokens", code="context_length_exceeded")
             max_tokens = self.max_len - len(prompt_ids)  # default shrinks to what fits
+        self._check_ids(req)
+        if req.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens ({req.min_tokens}) exceeds max_tokens "
+                                f"({max_tokens})", param="min_tokens")
         spec = req.speculative
         try:
             params = SamplingParams(temperature=req.temperature, top_p=req.top_p,
                                     top_k=req.top_k, seed=req.seed, max_tokens=max_tokens,
                                     stop=tuple(req.stop or ()), ignore_eos=req.ignore_eos,
-                                    logprobs=req.top_logprobs_asked())
+                                    logprobs=req.top_logprobs_asked(),
+                                    presence_penalty=req.presence_penalty,
+                                    frequency_penalty=req.frequency_penalty,
+                                    repetition_penalty=req.repetition_penalty,
+                                    min_p=req.min_p, min_tokens=req.min_tokens,
+                                    stop_token_ids=tuple(req.stop_token_ids or ()),
+                                    logit_bias=req.logit_bias_pairs())
         except ValueError as exc:  # the schema's bounds come first; this is the last guard
             raise APIError(400, str(exc)) from exc
         return GenerateCall(uuid.uuid4().hex, prompt_ids, params,
                             Overrides(spec.mode, spec.method, spec.k), bool(req.stream))
+
+    def _check_ids(self, req) -> None:
+        """Token ids a request names must be in the vocabulary: refused, naming the field."""
+        vocab = len(self.tokenizer)
+        for field, ids in (("logit_bias", [t for t, _ in req.logit_bias_pairs()]),
+                           ("stop_token_ids", req.stop_token_ids or [])):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"{field} names token ids outside the vocabulary "
+                                    f"(0..{vocab - 1}): {bad[:5]}", param=field)
 
     async def _respond(self, req, call: GenerateCall, chat: bool):
         """The OpenAI response for completions or chat, streamed (SSE) or whole. The

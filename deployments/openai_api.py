@@ -92,7 +92,6 @@ class StreamOptions(BaseModel):
 # Defined by OpenAI or by vLLM's sampling extensions, not implemented here: each accepted
 # only at the values that mean "off" (what a client library sends when the user set nothing).
 UNIMPLEMENTED_OFF: dict[str, tuple] = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": (None, {}),
     "best_of": (None, 1),
     "echo": (False,), "suffix": (None, ""), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "functions": (None, []),
@@ -101,8 +100,7 @@ UNIMPLEMENTED_OFF: dict[str, tuple] = {
     "service_tier": (None, "auto", "default"), "modalities": (None, ["text"]),
     "prediction": (None,), "audio": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "prompt_cache_key": (None,), "safety_identifier": (None,),
-    "min_p": (0, 0.0), "repetition_penalty": (1, 1.0), "min_tokens": (0,),
-    "stop_token_ids": (None, []), "include_stop_str_in_output": (False,),
+    "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
 }
 
@@ -142,6 +140,29 @@ class _SamplingFields(_Unimplemented):
     speculative: SpeculativeOverride = Field(default_factory=SpeculativeOverride)
     # vLLM's extension: generate exactly max_tokens (benchmarks, fixed-length tests).
     ignore_eos: bool = False
+    # Sampling controls (OpenAI's penalties and logit_bias; vLLM's min_p,
+    # repetition_penalty, min_tokens, stop_token_ids), applied to the target's logits.
+    presence_penalty: float = Field(0.0, ge=-2, le=2, strict=True)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, strict=True)
+    repetition_penalty: float = Field(1.0, gt=0, le=10, strict=True)
+    min_p: float = Field(0.0, ge=0, le=1, strict=True)
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_CAP, strict=True)
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024, description=(
+        "token id (as a string, OpenAI's way) -> a bias in -100..100 added to its logit"))
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        for key, bias in (v or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"the bias of {key} must be in -100..100")
+        return v
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items()))
     user: str | None = Field(None, max_length=256)
 
     @field_validator("stop")

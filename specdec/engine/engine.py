@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from specdec.engine.output import apply_result, make_output
-from specdec.engine.planner import Plan, plan_step
+from specdec.engine.planner import Plan, attach_histories, plan_step
 from specdec.engine.request import Request, RequestOutput
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.state import EngineConfig, KChooser, Seq, StepRecord, load_report
@@ -182,6 +182,7 @@ class Engine:
                 else 0
         plan = plan_step(decode, prefill, rec, self.proposers, self.target.max_len,
                          self.config, self.totals)
+        attach_histories(plan.rows, self._running, self.eos_ids)
         results, window = self._verify(plan, rec)
         resolved, heads, window_out = settle(self.proposers.get("draft"), self.target,
                                               window, plan.windows, results, rec)

@@ -51,8 +51,8 @@ def _cut(seq: Seq, new: list[int], eos_ids: frozenset[int]) -> tuple[list[int], 
     """The kept tokens up to EOS, max_tokens (a round can overshoot it) or a stop string."""
     params = seq.req.params
     reason = None
-    eos_at = next((j for j, t in enumerate(new) if t in eos_ids and not params.ignore_eos),
-                  None)
+    eos_at = next((j for j, t in enumerate(new) if (t in eos_ids and not params.ignore_eos)
+                   or t in params.stop_token_ids), None)
     if eos_at is not None:
         new, reason = new[: eos_at + 1], "stop"
     remaining = params.max_tokens - seq.generated

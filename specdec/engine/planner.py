@@ -14,6 +14,7 @@ import logging
 import time
 
 from specdec.engine.state import EngineConfig, Seq, StepRecord
+from specdec.model.logits_process import history_of, needs_history
 from specdec.spec_decode.counters import SpecCounters
 from specdec.spec_decode.proposal import Proposal, ProposeInput, Proposer
 from specdec.spec_decode.target_runner import TargetRow
@@ -68,6 +69,16 @@ def plan_step(decode: list[Seq], prefill: list[Seq], rec: StepRecord,
             for i in catchups:
                 by_id[i.seq_id].draft_seen = len(i.context) - i.catchup
     return Plan(rows, num_draft, asks.windows, free, set(led))
+
+
+def attach_histories(rows: list[TargetRow], running: dict[str, Seq], eos_ids) -> None:
+    """Rows whose requests use history-dependent sampling controls (penalties, logit_bias,
+    min_tokens) carry what their processing reads (model/logits_process.py); the others
+    carry nothing, and their steps cost what they did."""
+    for row in rows:
+        seq = running.get(row.seq_id)
+        if row.sample and seq is not None and needs_history(seq.req.params):
+            row.history = history_of(seq.tokens, seq.prompt_len, seq.req.params, eos_ids)
 
 
 def _free_guesses(asks: list[ProposeInput], suffix, proposals: dict[str, Proposal]

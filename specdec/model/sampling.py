@@ -31,6 +31,15 @@ class SamplingParams:
     # before temperature, top-k and top-p), as vLLM reports by default: the same numbers
     # whether a token was decoded plainly or kept from a guess.
     logprobs: int | None = None
+    # History-dependent controls (logits_process.py), applied to the target's logits.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # end the request like EOS (kept in the output)
+    # Drop tokens less likely than min_p times the most likely one (after temperature).
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < float("inf"):  # NaN fails this too
@@ -41,6 +50,17 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in -2..2")
+        if not 0 < self.repetition_penalty <= 10:  # NaN fails these too
+            raise ValueError("repetition_penalty must be in (0, 10]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.min_tokens < 0:
+            raise ValueError("min_tokens must be >= 0")
+        if any(not -100 <= b <= 100 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be in -100..100")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
@@ -103,12 +123,23 @@ def warp_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
         idx, temps = to_device_all([torch.tensor(hot), torch.tensor(
             [float(params[i].temperature) for i in hot])], logits.device)
         scaled = logits[idx] / temps.unsqueeze(1)
+        min_p = [params[i].min_p for i in hot]
+        if any(min_p):
+            scaled = _cut_min_p(scaled, min_p)
         top_k = [params[i].top_k for i in hot]
         top_p = [params[i].top_p for i in hot]
         if any(k > 0 for k in top_k) or any(p < 1 for p in top_p):
             scaled = _cut_top_k_top_p(scaled, top_k, top_p)
         out[idx] = torch.softmax(scaled, dim=-1)
     return out
+
+
+def _cut_min_p(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the top one's: in logits, below
+    the top logit + log(min_p)."""
+    m = to_device(torch.tensor([float(x) for x in min_p]), scaled.device).unsqueeze(1)
+    floor = scaled.amax(-1, keepdim=True) + torch.log(m)  # log 0 = -inf: nothing dropped
+    return scaled.masked_fill(scaled < floor, float("-inf"))
 
 
 def _cut_top_k_top_p(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

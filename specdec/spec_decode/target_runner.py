@@ -18,6 +18,7 @@ from specdec.model.batch import BatchInput
 from specdec.model.decoder import Decoder
 from specdec.model.host_copy import to_device, to_device_all
 from specdec.model.kv_cache import KVCache
+from specdec.model.logits_process import RowHistory, process_row
 from specdec.model.sampling import SamplingParams, make_generator, warp_probs
 from specdec.model.seeded import race_key, race_pick
 from specdec.model.static_step import graph_builds
@@ -40,6 +41,9 @@ class TargetRow:
     # distribution instead of drawing the bonus token; resolve() draws it later, against
     # the draft's guess for that position.
     defer_last: bool = False
+    # Where the request's sampling controls read its history (penalties, logit_bias,
+    # min_tokens: model/logits_process.py); None for every other row.
+    history: RowHistory | None = None
 
 
 @dataclasses.dataclass
@@ -122,20 +126,37 @@ def verify_step(model: Decoder, cache: KVCache, rows: list[TargetRow],
     # All-greedy batches need only the argmax (under TP a reduction, not a logits gather),
     # unless a row wants its log-probabilities.
     wants_lp = any(params[r.seq_id].logprobs is not None for r in chosen)
+    processed = any(r.history is not None for r in chosen)
     greedy = bool(chosen) and all(params[r.seq_id].greedy for r in chosen)
     # The positions stay on the host: the forward moves them with its other inputs.
-    out = model(batch, cache, torch.tensor(idx, dtype=torch.long),
-                argmax=greedy and not wants_lp)
+    raw = model(batch, cache, torch.tensor(idx, dtype=torch.long),
+                argmax=greedy and not (wants_lp or processed))
     if not sampled:
         return []
-    if greedy and not wants_lp:
-        return _greedy_rows(chosen, out.tolist(), deferred)
+    if greedy and not (wants_lp or processed):
+        return _greedy_rows(chosen, raw.tolist(), deferred)
+    logits = _processed(chosen, raw, params) if processed else raw
     if greedy:  # the argmax of the logits, as the model's argmax path takes it
-        best = torch.where(torch.isfinite(out).all(-1), out.argmax(-1), -1)
+        best = torch.where(torch.isfinite(raw).all(-1), logits.argmax(-1), -1)
         results = _greedy_rows(chosen, best.tolist(), deferred)
     else:
-        results = _sample_rows(chosen, out, params, generators, deferred)
-    return _with_logprobs(chosen, results, out, params) if wants_lp else results
+        results = _sample_rows(chosen, logits, params, generators, deferred)
+    return _with_logprobs(chosen, results, raw, params) if wants_lp else results
+
+
+def _processed(rows: list[TargetRow], logits: torch.Tensor,
+               params: dict[str, SamplingParams]) -> torch.Tensor:
+    """The logits with each processed row's positions run through its sampling controls
+    (position j after its history and guesses 0..j-1); other rows as they were."""
+    out, off = logits.clone(), 0
+    for r in rows:
+        n = r.num_draft + 1
+        if r.history is not None:
+            guesses = r.tokens[len(r.tokens) - r.num_draft:] if r.num_draft else []
+            out[off: off + n] = process_row(logits[off: off + n], params[r.seq_id],
+                                            r.history, guesses)
+        off += n
+    return out
 
 
 def _with_logprobs(rows: list[TargetRow], results: list[TargetResult], logits: torch.Tensor,

@@ -48,7 +48,8 @@ def test_unimplemented_fields_pass_at_off_and_are_refused_otherwise(field):
 
 
 @pytest.mark.parametrize("field,value", [("echo", 1), ("min_tokens", False),
-                                         ("presence_penalty", False), ("store", 0)])
+                                         ("presence_penalty", False), ("store", 0),
+                                         ("min_p", "0.5"), ("min_tokens", 1.5)])
 def test_a_value_equal_to_off_but_of_another_type_is_refused(field, value):
     assert refusal(CompletionRequest, {**OK, field: value})[1] == field
 
@@ -63,3 +64,19 @@ def test_what_the_openai_client_sends_back_for_an_assistant_turn_passes():
     msg, param = refusal(ChatCompletionRequest, {"model": "m", "messages": [
         {"role": "assistant", "content": "b", "tool_calls": [{"id": "c1"}]}]})
     assert param == "messages.0.tool_calls" and "not supported" in msg
+
+
+@pytest.mark.parametrize("field,value", [
+    ("presence_penalty", 2.5), ("frequency_penalty", -2.1), ("repetition_penalty", 0),
+    ("repetition_penalty", 11), ("min_p", 1.2), ("min_tokens", -1),
+    ("logit_bias", {"5": 101}), ("logit_bias", {"w5": 1}), ("stop_token_ids", ["a"])])
+def test_sampling_controls_out_of_range_are_refused_and_named(field, value):
+    assert refusal(CompletionRequest, {**OK, field: value})[1].split(".")[0] == field
+
+
+def test_sampling_controls_in_range_pass():
+    r = CompletionRequest.model_validate({**OK, "presence_penalty": 1, "frequency_penalty": 0.5,
+                                          "repetition_penalty": 1.2, "min_p": 0.05,
+                                          "min_tokens": 3, "stop_token_ids": [7],
+                                          "logit_bias": {"50256": -100, "7": 2.5}})
+    assert r.logit_bias_pairs() == ((7, 2.5), (50256, -100.0))

@@ -151,3 +151,25 @@ def test_n_choices_each_what_its_seed_gives_alone(client):
         messages=[{"role": "user", "content": "w5 w6"}])
     assert len(chat.choices) == 2
     assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy
+
+
+def test_penalties_and_logit_bias_the_same_with_speculation_on_and_off(client):
+    """The openai client's own parameters (penalties, logit_bias) and vLLM's (min_p,
+    repetition_penalty, min_tokens via extra_body): greedy output the same with
+    speculation on and off, and other than without them."""
+    def run(mode: str, controls: bool):
+        extra = {"ignore_eos": True, "speculative": {"mode": mode, "k": 3}}
+        kw = {}
+        if controls:
+            kw = dict(presence_penalty=1.2, frequency_penalty=0.5, logit_bias={"7": 3.0})
+            extra.update(min_p=0.05, repetition_penalty=1.3, min_tokens=4)
+        r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16,
+                                      temperature=0, extra_body=extra, **kw)
+        return r.choices[0].text
+
+    off, on, bare = run("off", True), run("on", True), run("off", False)
+    assert on == off and off != bare
+    stop = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16,
+                                     temperature=0, extra_body={"stop_token_ids": [5],
+                                                                "logit_bias": {"5": 80}})
+    assert stop.choices[0].finish_reason == "stop" and stop.usage.completion_tokens == 1
