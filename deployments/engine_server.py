@@ -132,6 +132,11 @@ class EngineServer:
         self._queues[rid] = (loop, queue, call.stream)
         try:
             try:
+                if call.params.grammar is not None:
+                    # Off the loop: the first grammar builds the tokenizer's index (seconds,
+                    # once per replica), and other requests' tokens keep flowing meanwhile.
+                    await asyncio.to_thread(self.built.engine.check_grammar,
+                                            call.params.grammar)
                 req, decision = self.built.submit(rid, call.prompt_ids, call.params,
                                                   call.speculative, self._deliver)
             except EngineError as exc:

@@ -53,7 +53,9 @@ from deployments.responses import (
     unavailable,
 )
 from deployments.startup import waiting_for
+from deployments.tool_calls import ToolPlan, supports_tools
 from specdec.errors import ConfigError
+from specdec.model.grammar import GrammarSpec, grammar_error
 from specdec.model.sampling import SamplingParams
 from specdec.pack.hub import resolve
 from specdec.pack.tokenizer import chat_ids, load_tokenizer
@@ -220,7 +222,22 @@ class IngressServer:
                                 f"{self.max_len} tokens cannot hold more than about {limit}",
                            param=param, code="context_length_exceeded")
 
-    def _prepare(self, req, prompt_ids: list[int], prompt_param: str) -> GenerateCall:
+    async def _grammar(self, req) -> GrammarSpec | None:
+        """The reply's grammar, compiled once here (off the event loop: a large schema
+        takes milliseconds) so that one that cannot be used is a 400 naming its field."""
+        try:
+            spec, field = req.grammar()
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="structured_outputs") from exc
+        if spec is None:
+            return None
+        error = await self._off_loop(grammar_error, spec)
+        if error:
+            raise APIError(400, f"{field}: the grammar cannot be used: {error}", param=field)
+        return spec
+
+    def _prepare(self, req, prompt_ids: list[int], prompt_param: str,
+                 grammar: GrammarSpec | None = None) -> GenerateCall:
         if not prompt_ids:
             raise APIError(400, f"{prompt_param} is empty after tokenization", param=prompt_param)
         max_tokens = req.max_new_tokens(self.args.default_max_tokens)
@@ -250,7 +267,7 @@ class IngressServer:
                                     repetition_penalty=req.repetition_penalty,
                                     min_p=req.min_p, min_tokens=req.min_tokens,
                                     stop_token_ids=tuple(req.stop_token_ids or ()),
-                                    logit_bias=req.logit_bias_pairs())
+                                    logit_bias=req.logit_bias_pairs(), grammar=grammar)
         except ValueError as exc:  # the schema's bounds come first; this is the last guard
             raise APIError(400, str(exc)) from exc
         return GenerateCall(uuid.uuid4().hex, prompt_ids, params,
@@ -266,7 +283,8 @@ class IngressServer:
                 raise APIError(400, f"{field} names token ids outside the vocabulary "
                                     f"(0..{vocab - 1}): {bad[:5]}", param=field)
 
-    async def _respond(self, req, call: GenerateCall, chat: bool):
+    async def _respond(self, req, call: GenerateCall, chat: bool,
+                       tools: ToolPlan | None = None):
         """The OpenAI response for completions or chat, streamed (SSE) or whole. The
         engine's first answer (its decision, or a refusal) comes before any header, so a
         refused request gets its status code even when it asked for a stream."""
@@ -280,7 +298,7 @@ class IngressServer:
             for gen in gens:  # a later choice was refused: the earlier ones stop too
                 gen.cancel()
             raise
-        return await self._replies.respond(req, call.request_id, gens, decision, chat)
+        return await self._replies.respond(req, call.request_id, gens, decision, chat, tools)
 
     async def _open(self, call: GenerateCall):
         """Start the request on an engine replica and read its decision (or refusal)."""
@@ -388,21 +406,51 @@ class Ingress(IngressServer):
             if bad:
                 raise APIError(400, f"prompt holds token ids outside the vocabulary "
                                     f"(0..{vocab - 1}): {bad[:5]}", param="prompt")
-        return await self._respond(body, self._prepare(body, ids, "prompt"), chat=False)
+        grammar = await self._grammar(body)
+        return await self._respond(body, self._prepare(body, ids, "prompt", grammar),
+                                   chat=False)
 
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses=_ERRORS)
     async def chat(self, body: ChatCompletionRequest, request: Request):
         await self._check(request, body)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        tools = self._tool_plan(body)
+        messages = [m.for_template() for m in body.messages]
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        listed = tools.template_tools() if tools else None
 
         def template():
-            return chat_ids(self.tokenizer, messages)
+            return chat_ids(self.tokenizer, messages, listed)
 
         try:
             ids = await self._off_loop(template)
         except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
             raise APIError(400, f"messages could not be formatted: {exc}",
                            param="messages") from exc
-        return await self._respond(body, self._prepare(body, list(ids), "messages"), chat=True)
+        grammar = await self._grammar(body)
+        forced = tools.grammar() if tools else None
+        if forced is not None:
+            if grammar is not None:
+                raise APIError(400, "a required tool call and a response_format both "
+                                    "constrain the reply: give one", param="tool_choice")
+            grammar = forced
+        return await self._respond(body, self._prepare(body, list(ids), "messages", grammar),
+                                   chat=True, tools=tools)
+
+    def _tool_plan(self, body) -> ToolPlan | None:
+        """What the request's tools mean for this model; 400s naming the field."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        carries = any(m.tool_calls or m.role == "tool" for m in body.messages)
+        if (body.tools or carries) and not supports_tools(template):
+            field = "tools" if body.tools else "messages"
+            raise APIError(400, f"{field}: the model {self.args.model_name!r} has a chat "
+                                "template without tool support", param=field)
+        if not body.tools:
+            if body.tool_choice not in (None, "none", "auto"):
+                raise APIError(400, "tool_choice needs tools", param="tool_choice")
+            return None
+        try:
+            return ToolPlan(body.tools, body.tool_choice, body.parallel_tool_calls,
+                            self.tokenizer)
+        except ValueError as exc:
+            raise APIError(400, f"tool_choice {exc}", param="tool_choice") from exc

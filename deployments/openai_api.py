@@ -28,8 +28,11 @@ from pydantic import (
     ValidationInfo,
     create_model,
     field_validator,
+    model_validator,
 )
 
+from deployments.structured_output import ResponseFormat, StructuredOutputs, grammar_of
+from deployments.tool_calls import ToolCall, ToolChoice, ToolDef
 from specdec.model.sampling import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
 
 MAX_TOKENS_CAP = 1 << 20
@@ -93,10 +96,8 @@ class StreamOptions(BaseModel):
 # only at the values that mean "off" (what a client library sends when the user set nothing).
 UNIMPLEMENTED_OFF: dict[str, tuple] = {
     "best_of": (None, 1),
-    "echo": (False,), "suffix": (None, ""), "tools": (None, []),
-    "tool_choice": (None, "none", "auto"), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}), "store": (None, False), "metadata": (None, {}),
+    "echo": (False,), "suffix": (None, ""), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "store": (None, False), "metadata": (None, {}),
     "service_tier": (None, "auto", "default"), "modalities": (None, ["text"]),
     "prediction": (None,), "audio": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "prompt_cache_key": (None,), "safety_identifier": (None,),
@@ -164,6 +165,16 @@ class _SamplingFields(_Unimplemented):
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         return tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items()))
     user: str | None = Field(None, max_length=256)
+    # Structured output (deployments/structured_output.py): a mask on the target's logits.
+    response_format: ResponseFormat | None = Field(None, description=(
+        "text, json_object (any JSON object) or json_schema (a reply valid for the schema)"))
+    structured_outputs: StructuredOutputs | None = Field(None, description=(
+        "vLLM's extension: one of json (a schema), regex, choice, grammar (GBNF or Lark)"))
+
+    def grammar(self):
+        """(GrammarSpec or None, the field that asked for it); ValueError when both
+        response_format and structured_outputs constrain the reply."""
+        return grammar_of(self.response_format, self.structured_outputs)
 
     @field_validator("stop")
     @classmethod
@@ -220,18 +231,17 @@ class TextPart(BaseModel):
 
 
 # Fields a message OpenAI returned carries, so a client that sends an assistant turn back
-# as it got it: accepted when empty, refused when they hold something (tool calls, audio).
-MESSAGE_EMPTY_FIELDS = ("tool_calls", "tool_call_id", "function_call", "refusal", "audio",
-                        "annotations")
+# as it got it: accepted when empty, refused when they hold something (audio).
+MESSAGE_EMPTY_FIELDS = ("function_call", "refusal", "audio", "annotations")
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = Field(None, validate_default=True)
     name: str | None = Field(None, max_length=256)
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128)
+    tool_call_id: str | None = Field(None, max_length=256)
     function_call: Any = None
     refusal: Any = None
     audio: Any = None
@@ -242,14 +252,16 @@ class ChatMessage(BaseModel):
     def _empty(cls, v, info: ValidationInfo):
         if v not in (None, []):
             raise ValueError(f"{info.field_name} is not supported by this server (text "
-                             "messages only)")
+                             "messages and tool calls only)")
         return v
 
     @field_validator("content")
     @classmethod
-    def _content(cls, v):
-        if isinstance(v, str):
-            return _text(v, "content")
+    def _content(cls, v, info: ValidationInfo):
+        if v is None and info.data.get("role") != "assistant":
+            raise ValueError("Field required")
+        if v is None or isinstance(v, str):
+            return v if v is None else _text(v, "content")
         parts = []
         for i, part in enumerate(v):
             kind = part.get("type")
@@ -259,10 +271,32 @@ class ChatMessage(BaseModel):
             parts.append(TextPart.model_validate(part))
         return parts
 
+    @model_validator(mode="after")
+    def _roles(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant "
+                             "message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
-        return self.content
+        return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (tool call arguments as objects)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.for_template() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -274,6 +308,13 @@ class ChatCompletionRequest(_SamplingFields):
         "temperature, top_k and top_p)."))
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
         "With logprobs: this many most likely alternatives per token."))
+    tools: list[ToolDef] | None = Field(None, max_length=128, description=(
+        "Functions the model may call, rendered by its chat template (one that supports "
+        "tools); calls come back in message.tool_calls"))
+    tool_choice: ToolChoice | None = Field(None, description=(
+        "none, auto (the default with tools), required, or {type: function, function: "
+        "{name}}: required and named calls are enforced by a grammar"))
+    parallel_tool_calls: bool | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -368,7 +409,10 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[dict] | None = Field(None, description=(
+        "The calls the reply makes (finish_reason tool_calls): id, type, function "
+        "{name, arguments (JSON text)}"))
 
 
 class ChatChoice(BaseModel):

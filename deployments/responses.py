@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 from deployments.contract import Decided, GenerateCall, Refused, Tokens
 from deployments.logprobs_format import LogprobFormat
 from deployments.openai_api import APIError
+from deployments.tool_calls import ToolPlan, ToolStream
 from specdec.errors import ErrorKind
 from specdec.model.sampling import SEED_MAX, SEED_MIN
 
@@ -101,14 +102,17 @@ class Replies:
                  count: Callable[[int, str | None], None]) -> None:
         self.model_name, self.logprobs, self._count = model_name, logprobs, count
 
-    async def respond(self, req, request_id: str, gens: list, decision: dict, chat: bool):
+    async def respond(self, req, request_id: str, gens: list, decision: dict, chat: bool,
+                      tools: ToolPlan | None = None):
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
                 "created": int(time.time()), "model": self.model_name}
+        tools = tools if tools is not None and tools.active else None
         if req.stream:
-            return self._stream(req, gens, decision, chat, head)
-        return await self._whole(gens, decision, chat, head)
+            return self._stream(req, gens, decision, chat, head, tools)
+        return await self._whole(gens, decision, chat, head, tools)
 
-    async def _whole(self, gens: list, decision: dict, chat: bool, head: dict) -> dict:
+    async def _whole(self, gens: list, decision: dict, chat: bool, head: dict,
+                     tools: ToolPlan | None) -> dict:
         try:
             got = await asyncio.gather(*(self._collect(g) for g in gens))
         except BaseException:
@@ -120,7 +124,12 @@ class Replies:
             reason = final.finish_reason if final else None
             ids, lps = (final.token_ids, final.logprobs) if final else ([], None)
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                message = {"role": "assistant", "content": text}
+                content, calls = tools.parse(text) if tools else (text, [])
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    reason = "tool_calls"
+                choices.append({"index": i, "message": message,
                                 "logprobs": self.logprobs.chat(ids, lps),
                                 "finish_reason": reason})
             else:
@@ -132,17 +141,28 @@ class Replies:
                 "choices": choices, "usage": usage(finals),
                 "spec_decode": spec_report(decision, finals[0])}
 
-    def _stream(self, req, gens: list, decision: dict, chat: bool,
-                head: dict) -> StreamingResponse:
+    def _stream(self, req, gens: list, decision: dict, chat: bool, head: dict,
+                tools: ToolPlan | None) -> StreamingResponse:
         obj = "chat.completion.chunk" if chat else "text_completion"
         offset = [0] * len(gens)  # per choice: characters of its text before this chunk
+        # Per choice: its text with what may be a tool call held back until the end.
+        held = [ToolStream(tools) for _ in gens] if tools and chat else None
 
         def chunk(i: int, c: Tokens) -> dict:
             if chat:
-                delta = {"content": c.text} if c.text else {}
+                text, calls, reason = c.text, [], c.finish_reason
+                if held is not None:
+                    text = held[i].feed(c.text)
+                    if c.finished:
+                        rest, calls = held[i].finish()
+                        text += rest
+                delta: dict = {"content": text} if text else {}
+                if calls:
+                    delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
+                    reason = "tool_calls"
                 choice = {"index": i, "delta": delta,
                           "logprobs": self.logprobs.chat(c.token_ids, c.logprobs),
-                          "finish_reason": c.finish_reason}
+                          "finish_reason": reason}
             else:
                 lps = self.logprobs.completion(c.token_ids, c.logprobs, offset[i])
                 if lps is not None and lps["tokens"]:

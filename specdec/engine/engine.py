@@ -21,6 +21,7 @@ from specdec.engine.scheduler import Scheduler
 from specdec.engine.state import EngineConfig, KChooser, Seq, StepRecord, load_report
 from specdec.engine.stop import Detokenizer
 from specdec.errors import EngineError, ErrorKind, TargetLost
+from specdec.model.grammar import GrammarSpec, GrammarState, grammar_error
 from specdec.model.prefix_cache import Choice
 from specdec.model.static_step import graph_builds
 from specdec.spec_decode.counters import SpecCounters
@@ -93,10 +94,24 @@ class Engine:
             raise EngineError(
                 f"prompt ({n} tokens) + max_tokens ({m}) exceeds the context limit of {limit} "
                 "tokens", param="max_tokens")
+        if req.params.grammar is not None:
+            self.check_grammar(req.params.grammar)
         if req.method != "none" and req.k > 0 and req.method not in self.proposers:
             raise EngineError(f"speculation method {req.method!r} is not available; "
                               f"available: {sorted(self.proposers) or 'none'}")
         self.scheduler.enqueue(req)
+
+    def check_grammar(self, grammar: GrammarSpec) -> None:
+        """A grammar the engine can run: it needs the tokenizer (a token's text), and it
+        must compile. The first one also builds the tokenizer's index (seconds, once)."""
+        if self.tokenizer is None:
+            raise EngineError("structured output needs the model's tokenizer",
+                              param="response_format")
+        error = grammar_error(grammar)
+        if error:
+            raise EngineError(f"the grammar cannot be used: {error}", param="response_format")
+        GrammarState(grammar, self.tokenizer, self.vocab_size,
+                     tuple(self.eos_ids)).guesses_and_masks([])
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -279,6 +294,9 @@ class Engine:
                   cached=choice.reuse, admitted=time.monotonic(), reused=choice.reuse)
         if self.tokenizer is not None:
             seq.detok = Detokenizer(self.tokenizer, req.params.stop)
+        if req.params.grammar is not None:
+            seq.grammar = GrammarState(req.params.grammar, self.tokenizer, self.vocab_size,
+                                       tuple(self.eos_ids))
         draft = self.proposers.get("draft")
         if draft is not None and req.method == "draft":
             # What the draft's own prefix cache holds of the prompt: its first round computes

@@ -41,6 +41,8 @@ def apply_result(seq: Seq, row: TargetRow, res: TargetResult, proposer: Proposer
         # Only the tokens kept after the cut; a settled overlap token never comes with
         # log-probabilities (rows asking for them are not deferred: planner.py).
         seq.logprobs.extend(res.logprobs[: len(new)])
+    if seq.grammar is not None:
+        seq.grammar.accept(new)
     seq.tokens.extend(new)
     if new and seq.first_token is None:
         seq.first_token = time.monotonic()

@@ -73,12 +73,17 @@ def plan_step(decode: list[Seq], prefill: list[Seq], rec: StepRecord,
 
 def attach_histories(rows: list[TargetRow], running: dict[str, Seq], eos_ids) -> None:
     """Rows whose requests use history-dependent sampling controls (penalties, logit_bias,
-    min_tokens) carry what their processing reads (model/logits_process.py); the others
-    carry nothing, and their steps cost what they did."""
+    min_tokens) carry what their processing reads (model/logits_process.py), rows under a
+    grammar their masks (model/grammar.py); the others carry nothing, and their steps cost
+    what they did."""
     for row in rows:
         seq = running.get(row.seq_id)
-        if row.sample and seq is not None and needs_history(seq.req.params):
+        if not row.sample or seq is None:
+            continue
+        if needs_history(seq.req.params):
             row.history = history_of(seq.tokens, seq.prompt_len, seq.req.params, eos_ids)
+        if seq.grammar is not None and row.masks is None:  # a prompt's last chunk
+            row.masks = seq.grammar.guesses_and_masks([])[1]
 
 
 def _free_guesses(asks: list[ProposeInput], suffix, proposals: dict[str, Proposal]
@@ -141,7 +146,7 @@ def _asks(decode: list[Seq], rec: StepRecord, max_len: int) -> _Asks:
         # A row asking for log-probabilities drafts before the step instead: a deferred
         # position's token is settled after the forward, without its logits.
         ahead_of_step = rec.overlapped and method == "draft" and bool(seq.k_now) \
-            and seq.req.params.logprobs is None
+            and seq.req.params.logprobs is None and seq.grammar is None
         if ahead_of_step:
             rec.draft_catchup = max(rec.draft_catchup, len(seq.tokens) - seq.draft_seen)
             seq.draft_seen = len(seq.tokens)
@@ -215,6 +220,12 @@ def _decode_rows(decode: list[Seq], ahead: dict[str, list[int]],
             continue
         prop = proposals.get(rid)
         guesses = prop.token_ids[: seq.k_now or seq.k_free] if prop else []
+        masks = None
+        if seq.grammar is not None:
+            # Cut at the first guess the grammar refuses: its p is 0, it would be rejected
+            # (a stop decided by guesses already drawn: exact, like the draft's own stop).
+            n, masks = seq.grammar.guesses_and_masks(guesses)
+            guesses = guesses[:n]
         num_draft[rid] = len(guesses)
         if seq.k_now and not guesses and seq.req.method not in failed:
             # Asked for guesses, got none (no n-gram match): for the policy this
@@ -223,7 +234,7 @@ def _decode_rows(decode: list[Seq], ahead: dict[str, list[int]],
             seq.spec.empty_proposals += 1
             totals[seq.req.method].empty_proposals += 1
         rows.append(TargetRow(rid, seq.slot, seq.cached, pending + guesses, len(guesses),
-                              _q(prop, len(guesses)), True))
+                              _q(prop, len(guesses)), True, masks=masks))
     return rows, num_draft
 
 

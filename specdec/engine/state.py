@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from specdec.engine.request import Request
 from specdec.engine.stop import Detokenizer
+from specdec.model.grammar import GrammarState
 from specdec.spec_decode.counters import SpecCounters
 from specdec.spec_decode.logprobs import TokenLogprob
 from specdec.spec_decode.proposal import Proposal
@@ -101,6 +102,8 @@ class Seq:
     free: SpecCounters = dataclasses.field(default_factory=SpecCounters)
     # Per generated token, where the request asked for them (spec_decode/logprobs.py).
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    # Structured output: the grammar's matcher at the tokens emitted so far.
+    grammar: GrammarState | None = None
 
     @property
     def generated(self) -> int:

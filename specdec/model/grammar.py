@@ -9,7 +9,9 @@ plus guesses 0..j-1, computed by consuming those guesses and rolling them back. 
 then runs on the masked p, so the output follows the target's distribution restricted to
 the grammar, speculative or not. A guess the grammar cannot take would be rejected at its
 position (p = 0 there), so the proposal is cut before it instead (a stopping rule on
-guesses already drawn: exact, and no position is verified for nothing).
+guesses already drawn: exact, and no position is verified for nothing). The masks are
+worked out on a copy of the matcher, never by consuming and rolling back on the sequence's
+own: a guess that drives a parser into a limit would otherwise stop it for good.
 """
 
 from __future__ import annotations
@@ -71,30 +73,29 @@ class GrammarState:
 
         self._ll = _ll_tokenizer(tokenizer, n_vocab, tuple(sorted(eos_ids)))
         self.n_vocab = n_vocab
-        self.matcher = llguidance.LLMatcher(self._ll, spec.compiled())
+        # log_level 0: a refused guess is routine here, not a warning for the log.
+        self.matcher = llguidance.LLMatcher(self._ll, spec.compiled(), log_level=0)
         if self.matcher.is_error():
             raise ValueError(self.matcher.get_error())
 
-    def valid_prefix(self, guesses: list[int]) -> int:
-        """How many of the guesses, in order, the grammar takes from here."""
-        return self.matcher.validate_tokens(guesses) if guesses else 0
-
-    def masks(self, guesses: list[int]) -> torch.Tensor:
-        """Bitmasks [len(guesses) + 1, words] (int32, llguidance's layout): position j's
-        allowed tokens after guesses[:j]. The matcher ends where it began."""
+    def guesses_and_masks(self, guesses: list[int]) -> tuple[int, torch.Tensor]:
+        """How many of the guesses the grammar takes in order (n), and the bitmasks of the
+        positions verifying those needs, [n + 1, words] (int32, llguidance's layout):
+        position j's allowed tokens after guesses[:j]. Worked out on a copy of the matcher
+        (microseconds): the sequence's own only ever sees emitted tokens, so a guess that
+        drives the parser into a limit or an error cannot spoil it."""
         import llguidance.torch as lt
 
+        m = self.matcher.deep_copy()
         out = lt.allocate_token_bitmask(len(guesses) + 1, self.n_vocab)
-        consumed = 0
-        for j in range(len(guesses) + 1):
-            lt.fill_next_token_bitmask(self.matcher, out, j)
-            if j < len(guesses):
-                if not self.matcher.consume_token(guesses[j]):
-                    break  # later positions are never reached: their masks stay as filled
-                consumed += 1
-        if consumed:
-            self.matcher.rollback(consumed)
-        return out
+        lt.fill_next_token_bitmask(m, out, 0)
+        n = 0
+        for g in guesses:
+            if m.is_stopped() or not m.consume_token(g):
+                break
+            n += 1
+            lt.fill_next_token_bitmask(m, out, n)
+        return n, out[: n + 1]
 
     def accept(self, tokens: list[int]) -> None:
         """The tokens the step emitted (each allowed by its mask)."""

@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 
+from specdec.model.grammar import GrammarSpec
 from specdec.model.host_copy import to_device, to_device_all
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
@@ -40,6 +41,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # end the request like EOS (kept in the output)
     # Drop tokens less likely than min_p times the most likely one (after temperature).
     min_p: float = 0.0
+    # Structured output: the output must match this grammar (model/grammar.py).
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < float("inf"):  # NaN fails this too

@@ -16,6 +16,7 @@ import torch
 
 from specdec.model.batch import BatchInput
 from specdec.model.decoder import Decoder
+from specdec.model.grammar import apply_masks
 from specdec.model.host_copy import to_device, to_device_all
 from specdec.model.kv_cache import KVCache
 from specdec.model.logits_process import RowHistory, process_row
@@ -44,6 +45,9 @@ class TargetRow:
     # Where the request's sampling controls read its history (penalties, logit_bias,
     # min_tokens: model/logits_process.py); None for every other row.
     history: RowHistory | None = None
+    # Structured output: the grammar's allowed tokens per verified position, bitmasks
+    # [num_draft + 1, words] (model/grammar.py); None for every other row.
+    masks: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -126,7 +130,7 @@ def verify_step(model: Decoder, cache: KVCache, rows: list[TargetRow],
     # All-greedy batches need only the argmax (under TP a reduction, not a logits gather),
     # unless a row wants its log-probabilities.
     wants_lp = any(params[r.seq_id].logprobs is not None for r in chosen)
-    processed = any(r.history is not None for r in chosen)
+    processed = any(r.history is not None or r.masks is not None for r in chosen)
     greedy = bool(chosen) and all(params[r.seq_id].greedy for r in chosen)
     # The positions stay on the host: the forward moves them with its other inputs.
     raw = model(batch, cache, torch.tensor(idx, dtype=torch.long),
@@ -155,6 +159,8 @@ def _processed(rows: list[TargetRow], logits: torch.Tensor,
             guesses = r.tokens[len(r.tokens) - r.num_draft:] if r.num_draft else []
             out[off: off + n] = process_row(logits[off: off + n], params[r.seq_id],
                                             r.history, guesses)
+        if r.masks is not None:
+            out[off: off + n] = apply_masks(out[off: off + n], r.masks)
         off += n
     return out
 

@@ -146,7 +146,7 @@ CASES = [
         {"role": "user", "content": "w7"}]}, 200, None),
     ("message with tool calls", CH, {**chat, "messages": [
         {"role": "assistant", "content": "w6", "tool_calls": [{"id": "c1"}]}]}, 400,
-     "messages.0.tool_calls"),
+     "messages.0.tool_calls.0.function"),
     ("max_completion_tokens (legal)", CH, {**chat, "max_completion_tokens": 3}, 200, None),
 ]
 

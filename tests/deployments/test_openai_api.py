@@ -63,7 +63,8 @@ def test_what_the_openai_client_sends_back_for_an_assistant_turn_passes():
                                                               "include_obfuscation": False}})
     msg, param = refusal(ChatCompletionRequest, {"model": "m", "messages": [
         {"role": "assistant", "content": "b", "tool_calls": [{"id": "c1"}]}]})
-    assert param == "messages.0.tool_calls" and "not supported" in msg
+    # A tool call without its function: refused, naming the missing field.
+    assert param == "messages.0.tool_calls.0.function" and "required" in msg
 
 
 @pytest.mark.parametrize("field,value", [

@@ -7,11 +7,13 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import time
 
 import httpx
 import pytest
 from openai import OpenAI
+from pydantic import BaseModel, Field
 from ray import serve
 from serve_helpers import scrape, sum_of
 
@@ -131,6 +133,63 @@ def test_chat_on_equals_off(server):
     off, on = (client.post("/v1/chat/completions", json=b).json() for b in bodies)
     assert off["choices"][0]["message"]["content"] == on["choices"][0]["message"]["content"]
     assert off["choices"][0]["message"]["role"] == "assistant"
+
+
+class City(BaseModel):
+    name: str = Field(max_length=30)
+    country: str = Field(max_length=30)
+    population_millions: int = Field(ge=0, le=100)
+
+
+def test_structured_output_with_the_openai_clients_parse(server):
+    """The openai client's own structured-output call with a pydantic model: a reply the
+    model parses, the same with speculation on and off; a regex and a choice through vLLM's
+    structured_outputs; a schema that cannot compile is a 400 naming its field."""
+    client, base = server
+    oc = OpenAI(base_url=f"{base}/v1", api_key="unused")
+    msgs = [{"role": "user", "content": "Tell me about Paris as JSON."}]
+    replies = [oc.chat.completions.parse(model=MODEL, messages=msgs, response_format=City,
+                                         temperature=0, max_tokens=80,
+                                         extra_body={"speculative": s})
+               for s in ({"mode": "off"}, {"mode": "on", "method": "draft", "k": 3})]
+    off, on = (r.choices[0] for r in replies)
+    assert off.finish_reason == "stop" and isinstance(off.message.parsed, City)
+    assert on.message.content == off.message.content
+    assert replies[1].spec_decode["rounds"] > 0
+    for body, valid in (
+            ({"structured_outputs": {"regex": r"[0-9]{3}-[0-9]{4}"}},
+             lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t)),
+            ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
+            ({"response_format": {"type": "json_object"}},
+             lambda t: isinstance(json.loads(t), dict))):
+        r = client.post("/v1/chat/completions", json={
+            "model": MODEL, "max_tokens": 40, "temperature": 0,
+            "messages": [{"role": "user", "content": "A phone number? Reply {} if unsure."}],
+            "speculative": {"mode": "on", "method": "ngram"}, **body}).json()
+        assert valid(r["choices"][0]["message"]["content"]), (body, r)
+    bad = client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": msgs, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {
+                "type": "object", "properties": {"a": {"type": "nonsense"}}}}}})
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["param"] == "response_format.json_schema.schema"
+    both = client.post("/v1/completions", json={
+        "model": MODEL, "prompt": "x", "response_format": {"type": "json_object"},
+        "structured_outputs": {"regex": "a+"}})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "structured_outputs"
+
+
+def test_tools_on_a_model_whose_template_has_none_are_a_400_naming_the_field(server):
+    client, _ = server
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    r = client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [tool]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    assert "tool support" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+        "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
 
 
 def test_openai_client_streaming_and_not(server):

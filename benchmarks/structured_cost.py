@@ -1,0 +1,159 @@
+"""What a JSON schema costs: decode tokens/s of the application config's engine (in
+process), greedy, with and without a schema on the reply, plain (`mode: off`), as the
+policy decides (`auto`, what users get) and speculative (`on`: the draft at k 3); beside
+llama-server on the same GGUF file, plain and with its draft, with and without the same
+schema (its `json_schema` field), in the same run.
+
+    .venv/bin/python -m benchmarks.structured_cost [--tokens 96] [--repeats 3] [--no-peer]
+
+A schema costs a mask per verified position (llguidance, on CPU) and cuts a proposal at
+the first guess the grammar refuses; it also changes the text (JSON rather than prose), so
+a row's speed with a schema is set beside the same server's speed without one on the same
+prompts. The variants take turns prompt by prompt and repeat by repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from benchmarks.table import median, print_table, write_json
+from specdec.progress import Progress
+
+ROOT = Path(__file__).resolve().parents[1]
+ASKS = ["Describe a person as JSON: name, age and three hobbies.",
+        "Give me a JSON record of a pirate captain.",
+        "Describe your favourite programmer as a JSON object."]
+SCHEMA = {"type": "object", "additionalProperties": False,
+          "required": ["name", "age", "hobbies"],
+          "properties": {"name": {"type": "string", "maxLength": 40},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "hobbies": {"type": "array", "maxItems": 4,
+                                     "items": {"type": "string", "maxLength": 30}}}}
+
+
+def _ours(built, ids, label: str, mode: str, schema: bool, tokens: int) -> tuple[float, bool]:
+    from specdec.model.grammar import GrammarSpec
+    from specdec.model.sampling import SamplingParams
+    from specdec.policy.engine_policy import Overrides
+
+    grammar = GrammarSpec("json_schema", json.dumps(SCHEMA)) if schema else None
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, grammar=grammar)
+    over = {"off": Overrides(mode="off"), "auto": Overrides(),
+            "on": Overrides(mode="on", method="draft", k=3)}[mode]
+    built.submit(label, ids, params, over)
+    first = done = None
+    while done is None:
+        for o in built.engine.step():
+            if o.request_id != label:
+                continue
+            if first is None and o.new_token_ids:
+                first = time.perf_counter()
+            if o.finished:
+                done = o
+    elapsed = time.perf_counter() - first
+    valid = True
+    if schema:
+        import jsonschema
+
+        try:
+            jsonschema.validate(json.loads(done.text), SCHEMA)
+        except (ValueError, jsonschema.ValidationError):
+            valid = False
+    return (len(done.token_ids) - 1) / elapsed, valid
+
+
+def _peer(target: Path, draft: Path | None, prompts, tokens, repeats, threads, progress):
+    from benchmarks.llama_peer import LlamaServer
+
+    rows = []
+    configs = [("llama-server plain", [])]
+    if draft is not None:
+        configs.append(("llama-server draft-simple (defaults)",
+                        ["--spec-type", "draft-simple", "-md", str(draft), "-td", str(threads)]))
+    for name, extra in configs:
+        got = {False: [], True: []}
+        with LlamaServer(target, extra, threads) as server:
+            server.complete(prompts[0], 8)  # warm: first-call allocations
+            for rep in range(repeats):
+                for i, ids in enumerate(prompts):
+                    for schema in ((False, True) if (rep + i) % 2 == 0 else (True, False)):
+                        body = {"json_schema": SCHEMA} if schema else {}
+                        r = server.complete(ids, tokens, **body)
+                        got[schema].append(r["timings"]["predicted_per_second"])
+                        progress.advance()
+        rows.append(_row(name, got[False], got[True]))
+    return rows
+
+
+def _row(name: str, without: list[float], with_schema: list[float], valid=None) -> dict:
+    a, b = median(without), median(with_schema)
+    return {"server": name, "tps_without": round(a, 2), "tps_schema": round(b, 2),
+            "schema_vs_without": round(b / a, 3), "valid_replies": valid}
+
+
+def main(argv=None) -> int:
+    from specdec.engine.assemble import LocalBackend, assemble
+    from specdec.engine.spec import EngineSpec
+    from specdec.model.gguf_file import gguf_in
+    from specdec.pack import hub
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(ROOT / "serve_config.yaml"))
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+
+    spec = EngineSpec.from_config_file(args.config)
+    built = assemble(spec, LocalBackend())
+    prompts = [built.tokenizer.apply_chat_template(
+        [{"role": "user", "content": a}], tokenize=True, add_generation_prompt=True,
+        return_dict=False) for a in ASKS]
+    variants = [(m, s) for m in ("off", "auto", "on") for s in (False, True)]
+    got: dict = {v: [] for v in variants}
+    valid = {m: 0 for m in ("off", "auto", "on")}
+    target = gguf_in(hub.resolve(spec.target.model))
+    draft = gguf_in(hub.resolve(spec.draft.model)) if spec.draft else None
+    from benchmarks.llama_peer import llama_bin
+
+    peer = not args.no_peer and llama_bin() is not None and target is not None
+    total = args.repeats * len(prompts) * (len(variants) + (4 if peer else 0))
+    progress = Progress("structured output cost", total=total, unit=" runs")
+    _ours(built, prompts[0], "warm-grammar", "off", True, 4)  # the tokenizer's index, once
+    n = 0
+    for rep in range(args.repeats):
+        for i, ids in enumerate(prompts):
+            order = variants if (rep + i) % 2 == 0 else variants[::-1]
+            for mode, schema in order:
+                tps, ok = _ours(built, ids, f"r{n}", mode, schema, args.tokens)
+                got[mode, schema].append(tps)
+                valid[mode] += ok and schema
+                n += 1
+                progress.advance()
+    built.close()
+    runs = args.repeats * len(prompts)
+    rows = [_row(f"ours {m}", got[m, False], got[m, True], f"{valid[m]}/{runs}")
+            for m in ("off", "auto", "on")]
+    if peer:
+        threads = spec.target.threads or os.cpu_count() or 2
+        rows += _peer(target, draft, prompts, args.tokens, args.repeats, threads, progress)
+    progress.close()
+    on, off = rows[2], rows[0]
+    print_table(rows, ["server", "tps_without", "tps_schema", "schema_vs_without",
+                       "valid_replies"],
+                title=f"decode tokens/s with a JSON schema and without, greedy, {args.tokens} tokens "
+                f"at most, medians of {runs} runs")
+    print(f"speculation's gain (on / off): {on['tps_without'] / off['tps_without']:.2f} "
+          f"without a schema, {on['tps_schema'] / off['tps_schema']:.2f} with one")
+    if args.json:
+        write_json(args.json, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
