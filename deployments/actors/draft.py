@@ -102,7 +102,6 @@ class RayDraftProposer:
 
     def _lost(self, exc: Exception):
         # Its copies of the contexts may be half-updated: start from a fresh draft.
-        self.failures += 1
         log.error("draft group failed (%s); decoding plainly until it is back", exc)
         self._start_rebuild()
         raise DraftUnavailable(str(exc)) from exc
@@ -111,7 +110,6 @@ class RayDraftProposer:
         """Health check between requests: a draft that died while nobody asked it for
         guesses is noticed (and rebuilt) here rather than on the next speculative round."""
         if self.available and not self.group.answers():
-            self.failures += 1
             log.error("draft group does not answer; rebuilding")
             self._start_rebuild()
 
@@ -150,7 +148,10 @@ class RayDraftProposer:
         with self._lock:
             if self._rebuilding:
                 return
+            # Counted once per loss, and only once it is marked down: a reader never sees
+            # a failure counted while the draft still reads as available.
             self._rebuilding = True
+            self.failures += 1
         self.group.kill()
         self.sender.reset()  # the new draft holds no context: the next call sends it all
         self._released = []

@@ -92,7 +92,6 @@ class RayTargetRunner:
         except ShardError as exc:  # the step failed; the group is intact and keeps serving
             raise RuntimeError(str(exc)) from exc
         except GroupFailed as exc:
-            self.failures += 1
             log.error("target group failed (%s); failing its requests now, rebuilding it "
                       "in the background", exc)
             self._start_rebuild()
@@ -102,7 +101,9 @@ class RayTargetRunner:
         with self._lock:
             if self.down_since is not None:
                 return
+            # Counted once per loss, as it is marked down (never seen counted but up).
             self.down_since = time.monotonic()
+            self.failures += 1
         self.group.kill()
         # Sequences the engine still holds die with the group; the new one starts clean.
         self._started, self._ended, self._copies = {}, [], []
