@@ -36,14 +36,16 @@ from deployments.metrics import IngressMetrics
 from deployments.openai_api import (
     APIError,
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
-    CompletionResponse,
     DetokenizeRequest,
-    ErrorResponse,
     TokenizeRequest,
     error_response,
     validation_message,
+)
+from deployments.openai_responses import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    ErrorResponse,
 )
 from deployments.responses import (
     RETRY_AFTER_S,
@@ -53,7 +55,7 @@ from deployments.responses import (
     unavailable,
 )
 from deployments.startup import waiting_for
-from deployments.tool_calls import ToolPlan, supports_tools
+from deployments.tool_calls import ToolPlan, ToolRequestError, tool_plan
 from specdec.errors import ConfigError
 from specdec.model.grammar import GrammarSpec, grammar_error
 from specdec.model.sampling import SamplingParams
@@ -414,7 +416,10 @@ class Ingress(IngressServer):
               responses=_ERRORS)
     async def chat(self, body: ChatCompletionRequest, request: Request):
         await self._check(request, body)
-        tools = self._tool_plan(body)
+        try:
+            tools = tool_plan(body, self.tokenizer, self.args.model_name)
+        except ToolRequestError as exc:
+            raise APIError(400, str(exc), param=exc.param) from exc
         messages = [m.for_template() for m in body.messages]
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         listed = tools.template_tools() if tools else None
@@ -436,21 +441,3 @@ class Ingress(IngressServer):
             grammar = forced
         return await self._respond(body, self._prepare(body, list(ids), "messages", grammar),
                                    chat=True, tools=tools)
-
-    def _tool_plan(self, body) -> ToolPlan | None:
-        """What the request's tools mean for this model; 400s naming the field."""
-        template = getattr(self.tokenizer, "chat_template", None)
-        carries = any(m.tool_calls or m.role == "tool" for m in body.messages)
-        if (body.tools or carries) and not supports_tools(template):
-            field = "tools" if body.tools else "messages"
-            raise APIError(400, f"{field}: the model {self.args.model_name!r} has a chat "
-                                "template without tool support", param=field)
-        if not body.tools:
-            if body.tool_choice not in (None, "none", "auto"):
-                raise APIError(400, "tool_choice needs tools", param="tool_choice")
-            return None
-        try:
-            return ToolPlan(body.tools, body.tool_choice, body.parallel_tool_calls,
-                            self.tokenizer)
-        except ValueError as exc:
-            raise APIError(400, f"tool_choice {exc}", param="tool_choice") from exc

@@ -83,6 +83,32 @@ def supports_tools(chat_template: str | None) -> bool:
     return bool(chat_template) and "tools" in chat_template
 
 
+class ToolRequestError(ValueError):
+    """A request's tools this model cannot serve; param: the field to name."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def tool_plan(body, tokenizer, model_name: str) -> ToolPlan | None:
+    """What a chat request's tools mean for this model (None: it has none)."""
+    template = getattr(tokenizer, "chat_template", None)
+    carries = any(m.tool_calls or m.role == "tool" for m in body.messages)
+    if (body.tools or carries) and not supports_tools(template):
+        field = "tools" if body.tools else "messages"
+        raise ToolRequestError(f"{field}: the model {model_name!r} has a chat template "
+                               "without tool support", field)
+    if not body.tools:
+        if body.tool_choice not in (None, "none", "auto"):
+            raise ToolRequestError("tool_choice needs tools", "tool_choice")
+        return None
+    try:
+        return ToolPlan(body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer)
+    except ValueError as exc:
+        raise ToolRequestError(f"tool_choice {exc}", "tool_choice") from exc
+
+
 class ToolPlan:
     """What a chat request's tools mean for its prompt, its grammar and its reply."""
 
