@@ -4,7 +4,10 @@ The kernels are built for the CPU they run on (`-march=native`: AVX512-VNNI wher
 so the build is cached under a key of the source, the torch version and the CPU's flags: a
 cache shared by different machines never loads a binary built for another CPU. The first
 build takes 10-20 s (torch's headers); later loads take milliseconds. Ranks
-starting together build once: torch's build directory lock makes the others wait.
+starting together build once: an flock on the build directory makes the others wait, and
+since the kernel releases an flock when its holder dies, a build killed half-way (a worker
+lost, a test interrupted) cannot leave a lock that hangs every later start, as torch's own
+lock file would.
 
 Where no compiler is found the build fails with KernelUnavailable and the caller falls back
 to a torch format (the weight format says so in a warning).
@@ -12,6 +15,8 @@ to a torch format (the weight format says so in a warning).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
@@ -90,6 +95,33 @@ def load(name: str) -> None:
         print(f"specdec: building the {name} kernel for this CPU (once, ~15 s) in {build_dir}",
               file=sys.stderr, flush=True)
     t = time.monotonic()
+    with _build_lock(build_dir):
+        _build(name, source, build_dir, cpp_extension)
+    if not built:
+        print(f"specdec: {name} kernel built in {time.monotonic() - t:.0f} s",
+              file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Held while torch builds or loads in `build_dir`. torch's own lock (a file named `lock`,
+    created and removed around its build) stays behind when its holder is killed, and every
+    later load then waits on it forever. Every builder takes this flock first, so a `lock`
+    file found while holding it belongs to no live builder: it is removed."""
+    with open(build_dir / "build.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                print(f"specdec: removing {stale}, left by a build that did not finish",
+                      file=sys.stderr, flush=True)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build(name: str, source: Path, build_dir: Path, cpp_extension) -> None:
     try:
         cpp_extension.load(
             name=name, sources=[str(source)], build_directory=str(build_dir),
@@ -99,9 +131,6 @@ def load(name: str) -> None:
             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # compiler errors, missing headers, no ninja
         raise KernelUnavailable(f"the {name} kernel did not build: {e}") from e
-    if not built:
-        print(f"specdec: {name} kernel built in {time.monotonic() - t:.0f} s",
-              file=sys.stderr, flush=True)
 
 
 @functools.cache
