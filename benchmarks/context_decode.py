@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import time
 from pathlib import Path
 
+from benchmarks.in_process import decode_one
 from benchmarks.table import median, print_table, write_json
 from specdec.progress import Progress
 
@@ -34,17 +34,7 @@ def _ours(built, tok, depth: int, tokens: int, label: str) -> float:
     text = f"# {label}\n" + (ROOT / SOURCE).read_text() * 4
     ids = tok(text).input_ids[: max(depth, 8)]
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    built.submit(label, ids, params, Overrides(mode="off"))
-    first = done = None
-    while done is None:
-        for o in built.engine.step():
-            if o.request_id != label:
-                continue
-            if first is None and o.new_token_ids:
-                first = time.perf_counter()
-            if o.finished:
-                done = o
-    return (len(done.token_ids) - 1) / (time.perf_counter() - first)
+    return decode_one(built, label, ids, params, Overrides(mode="off"))[1]
 
 
 def _llama(exe: Path, gguf: Path, depth: int, tokens: int, threads: int) -> float:

@@ -12,9 +12,9 @@ turns prompt by prompt and repeat by repeat, so a drifting machine moves them al
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
+from benchmarks.in_process import decode_one
 from benchmarks.table import median, print_table, write_json
 from specdec.progress import Progress
 
@@ -30,18 +30,9 @@ def _decode_tps(built, ids, label: str, mode: str, logprobs: int | None, tokens:
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True,
                             logprobs=logprobs)
     over = Overrides(mode="off") if mode == "off" else Overrides(mode="on", method="draft", k=3)
-    built.submit(label, ids, params, over)
-    first = done = None
-    while done is None:
-        for o in built.engine.step():
-            if o.request_id != label:
-                continue
-            if first is None and o.new_token_ids:
-                first = time.perf_counter()
-            if o.finished:
-                done = o
+    done, tps = decode_one(built, label, ids, params, over)
     assert (done.logprobs is not None) == (logprobs is not None)
-    return (len(done.token_ids) - 1) / (time.perf_counter() - first)
+    return tps
 
 
 def main(argv=None) -> int:

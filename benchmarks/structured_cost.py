@@ -17,16 +17,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
+from benchmarks.in_process import decode_one
 from benchmarks.table import median, print_table, write_json
 from specdec.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
-ASKS = ["Describe a person as JSON: name, age and three hobbies.",
-        "Give me a JSON record of a pirate captain.",
-        "Describe your favourite programmer as a JSON object."]
+# Every repeat asks about someone new, and the suffix index is emptied before each run: the
+# same ask answered again would let `auto` guess the reply from the previous variant's (the
+# same greedy text), a speed no user sees.
+SUBJECTS = ["a pirate captain", "your favourite programmer", "a retired astronaut",
+            "a village baker", "a chess grandmaster", "a lighthouse keeper", "a jazz drummer",
+            "a marine biologist", "a medieval blacksmith", "a startup founder",
+            "a mountain guide", "a school librarian", "a racing cyclist", "a beekeeper",
+            "an opera singer"]
+PER_REPEAT = 3
+
+
+def _asks(repeats: int) -> list[list[str]]:
+    """PER_REPEAT asks per repeat, none asked twice (a number told apart past 15)."""
+    out = []
+    for n in range(repeats * PER_REPEAT):
+        who = SUBJECTS[n % len(SUBJECTS)] + (f" number {n // len(SUBJECTS) + 1}"
+                                             if n >= len(SUBJECTS) else "")
+        out.append(f"Describe {who} as a JSON object: a name, an age and a few hobbies.")
+    return [out[r * PER_REPEAT:(r + 1) * PER_REPEAT] for r in range(repeats)]
 SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["name", "age", "hobbies"],
           "properties": {"name": {"type": "string", "maxLength": 40},
@@ -44,17 +60,10 @@ def _ours(built, ids, label: str, mode: str, schema: bool, tokens: int) -> tuple
     params = SamplingParams(temperature=0.0, max_tokens=tokens, grammar=grammar)
     over = {"off": Overrides(mode="off"), "auto": Overrides(),
             "on": Overrides(mode="on", method="draft", k=3)}[mode]
-    built.submit(label, ids, params, over)
-    first = done = None
-    while done is None:
-        for o in built.engine.step():
-            if o.request_id != label:
-                continue
-            if first is None and o.new_token_ids:
-                first = time.perf_counter()
-            if o.finished:
-                done = o
-    elapsed = time.perf_counter() - first
+    suffix = built.engine.proposers.get("suffix")
+    if suffix is not None:
+        suffix.forget()  # the other variants just answered this ask: a reply no user has seen
+    done, tps = decode_one(built, label, ids, params, over)
     valid = True
     if schema:
         import jsonschema
@@ -63,10 +72,10 @@ def _ours(built, ids, label: str, mode: str, schema: bool, tokens: int) -> tuple
             jsonschema.validate(json.loads(done.text), SCHEMA)
         except (ValueError, jsonschema.ValidationError):
             valid = False
-    return (len(done.token_ids) - 1) / elapsed, valid
+    return tps, valid
 
 
-def _peer(target: Path, draft: Path | None, prompts, tokens, repeats, threads, progress):
+def _peer(target: Path, draft: Path | None, prompts, tokens, threads, progress):
     from benchmarks.llama_peer import LlamaServer
 
     rows = []
@@ -77,9 +86,9 @@ def _peer(target: Path, draft: Path | None, prompts, tokens, repeats, threads, p
     for name, extra in configs:
         got = {False: [], True: []}
         with LlamaServer(target, extra, threads) as server:
-            server.complete(prompts[0], 8)  # warm: first-call allocations
-            for rep in range(repeats):
-                for i, ids in enumerate(prompts):
+            server.complete(prompts[0][0], 8)  # warm: first-call allocations
+            for rep, asks in enumerate(prompts):
+                for i, ids in enumerate(asks):
                     for schema in ((False, True) if (rep + i) % 2 == 0 else (True, False)):
                         body = {"json_schema": SCHEMA} if schema else {}
                         r = server.complete(ids, tokens, **body)
@@ -111,9 +120,9 @@ def main(argv=None) -> int:
 
     spec = EngineSpec.from_config_file(args.config)
     built = assemble(spec, LocalBackend())
-    prompts = [built.tokenizer.apply_chat_template(
+    prompts = [[built.tokenizer.apply_chat_template(
         [{"role": "user", "content": a}], tokenize=True, add_generation_prompt=True,
-        return_dict=False) for a in ASKS]
+        return_dict=False) for a in asks] for asks in _asks(args.repeats)]
     variants = [(m, s) for m in ("off", "auto", "on") for s in (False, True)]
     got: dict = {v: [] for v in variants}
     valid = {m: 0 for m in ("off", "auto", "on")}
@@ -122,12 +131,12 @@ def main(argv=None) -> int:
     from benchmarks.llama_peer import llama_bin
 
     peer = not args.no_peer and llama_bin() is not None and target is not None
-    total = args.repeats * len(prompts) * (len(variants) + (4 if peer else 0))
+    total = args.repeats * PER_REPEAT * (len(variants) + (4 if peer else 0))
     progress = Progress("structured output cost", total=total, unit=" runs")
-    _ours(built, prompts[0], "warm-grammar", "off", True, 4)  # the tokenizer's index, once
+    _ours(built, prompts[0][0], "warm-grammar", "off", True, 4)  # the tokenizer's index, once
     n = 0
-    for rep in range(args.repeats):
-        for i, ids in enumerate(prompts):
+    for rep, asks in enumerate(prompts):
+        for i, ids in enumerate(asks):
             order = variants if (rep + i) % 2 == 0 else variants[::-1]
             for mode, schema in order:
                 tps, ok = _ours(built, ids, f"r{n}", mode, schema, args.tokens)
@@ -136,12 +145,12 @@ def main(argv=None) -> int:
                 n += 1
                 progress.advance()
     built.close()
-    runs = args.repeats * len(prompts)
+    runs = args.repeats * PER_REPEAT
     rows = [_row(f"ours {m}", got[m, False], got[m, True], f"{valid[m]}/{runs}")
             for m in ("off", "auto", "on")]
     if peer:
         threads = spec.target.threads or os.cpu_count() or 2
-        rows += _peer(target, draft, prompts, args.tokens, args.repeats, threads, progress)
+        rows += _peer(target, draft, prompts, args.tokens, threads, progress)
     progress.close()
     on, off = rows[2], rows[0]
     print_table(rows, ["server", "tps_without", "tps_schema", "schema_vs_without",

@@ -59,6 +59,13 @@ class SuffixIndex:
         self.count = np.zeros(1 << bits, dtype=np.int32)
         self.fed_tokens = 0
 
+    def clear(self) -> None:
+        """Forget everything fed (the table keeps its size)."""
+        self.keys[:] = 0
+        self.next[:] = 0
+        self.count[:] = 0
+        self.fed_tokens = 0
+
     def feed(self, tokens, start: int = 0) -> None:
         """Learn the tokens at positions >= start of a sequence (its earlier tokens were fed
         before): every n-gram ending before such a token now predicts it."""
@@ -200,6 +207,12 @@ class SuffixProposer(NgramProposer):
 
     def release(self, seq_id: str) -> None:
         self._fed.pop(seq_id, None)
+
+    def forget(self) -> None:
+        """Empty the replica's index: running sequences are fed again whole at their next
+        round, so they keep their own context."""
+        self.index.clear()
+        self._fed.clear()
 
     def report(self) -> dict:
         return {**self.stats, "indexed_tokens": self.index.fed_tokens,

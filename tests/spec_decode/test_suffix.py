@@ -77,3 +77,16 @@ def test_the_proposer_takes_the_longer_match_of_its_own_context_and_the_index():
     alone = SuffixProposer(min_n=2, max_n=6, min_count=1, shared=False)
     alone.propose([ProposeInput("a", done, 0, GREEDY)])
     assert alone.propose([ProposeInput("b", b, 4, GREEDY)])[0].token_ids == []
+
+
+def test_forgetting_empties_the_index_and_a_running_row_is_fed_again_whole():
+    p = SuffixProposer(min_n=2, max_n=6, min_count=1)
+    done = list(range(300, 320))
+    p.propose([ProposeInput("a", done, 0, GREEDY)])
+    assert p.index.lookup(done[:6], k=4)[0] == done[6:10]
+    p.forget()
+    assert p.index.fed_tokens == 0 and p.index.lookup(done[:6], k=4) == ([], 0)
+    # Row a keeps running: its next round feeds its whole context, not only the new token.
+    p.propose([ProposeInput("a", done + [999], 0, GREEDY)])
+    assert p.index.fed_tokens == len(done)
+    assert p.index.lookup(done[:6], k=4)[0] == done[6:10]
