@@ -23,6 +23,8 @@ class GenerateCall:
     params: SamplingParams
     speculative: Overrides
     stream: bool
+    # The request field that asked for params.grammar: an error about it names that field.
+    grammar_field: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,7 +136,8 @@ class EngineServer:
                     # Off the loop: the first grammar builds the tokenizer's index (seconds,
                     # once per replica), and other requests' tokens keep flowing meanwhile.
                     await asyncio.to_thread(self.built.engine.check_grammar,
-                                            call.params.grammar)
+                                            call.params.grammar,
+                                            call.grammar_field or "response_format")
                 req, decision = self.built.submit(rid, call.prompt_ids, call.params,
                                                   call.speculative, self._deliver)
             except EngineError as exc:

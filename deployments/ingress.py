@@ -224,22 +224,28 @@ class IngressServer:
                                 f"{self.max_len} tokens cannot hold more than about {limit}",
                            param=param, code="context_length_exceeded")
 
-    async def _grammar(self, req) -> GrammarSpec | None:
-        """The reply's grammar, compiled once here (off the event loop: a large schema
-        takes milliseconds) so that one that cannot be used is a 400 naming its field."""
+    async def _grammar(self, req) -> tuple[GrammarSpec | None, str | None]:
+        """The reply's grammar and the field that gave it, compiled once here (off the event
+        loop: a large schema takes milliseconds) so that one that cannot be used is a 400
+        naming its field."""
         try:
             spec, field = req.grammar()
         except ValueError as exc:
-            raise APIError(400, str(exc), param="structured_outputs") from exc
+            raise APIError(400, str(exc),
+                           param=getattr(exc, "field", "structured_outputs")) from exc
         if spec is None:
-            return None
+            return None, None
+        await self._compiles(spec, field)
+        return spec, field
+
+    async def _compiles(self, spec: GrammarSpec, field: str) -> None:
         error = await self._off_loop(grammar_error, spec)
         if error:
             raise APIError(400, f"{field}: the grammar cannot be used: {error}", param=field)
-        return spec
 
     def _prepare(self, req, prompt_ids: list[int], prompt_param: str,
-                 grammar: GrammarSpec | None = None) -> GenerateCall:
+                 grammar: GrammarSpec | None = None,
+                 grammar_field: str | None = None) -> GenerateCall:
         if not prompt_ids:
             raise APIError(400, f"{prompt_param} is empty after tokenization", param=prompt_param)
         max_tokens = req.max_new_tokens(self.args.default_max_tokens)
@@ -273,7 +279,8 @@ class IngressServer:
         except ValueError as exc:  # the schema's bounds come first; this is the last guard
             raise APIError(400, str(exc)) from exc
         return GenerateCall(uuid.uuid4().hex, prompt_ids, params,
-                            Overrides(spec.mode, spec.method, spec.k), bool(req.stream))
+                            Overrides(spec.mode, spec.method, spec.k), bool(req.stream),
+                            grammar_field)
 
     def _check_ids(self, req) -> None:
         """Token ids a request names must be in the vocabulary: refused, naming the field."""
@@ -374,12 +381,20 @@ class Ingress(IngressServer):
             self._check_chars(len(body.prompt), "prompt")
             ids = (await self._off_loop(lambda: self.tokenizer(
                 body.prompt, add_special_tokens=body.add_special_tokens))).input_ids
-        else:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        else:  # exactly as the chat route renders it: tool calls, tool results, tools
+            try:
+                tools = tool_plan(body, self.tokenizer, self.args.model_name)
+            except ToolRequestError as exc:
+                raise APIError(400, str(exc), param=exc.param) from exc
+            messages = [m.for_template() for m in body.messages]
             self._check_chars(sum(len(m["content"]) for m in messages), "messages")
-            ids = await self._off_loop(lambda: list(self.tokenizer.apply_chat_template(
-                messages, tokenize=True, return_dict=False,
-                add_generation_prompt=body.add_generation_prompt)))
+            listed = tools.template_tools() if tools else None
+            try:
+                ids = await self._off_loop(lambda: chat_ids(
+                    self.tokenizer, messages, listed, body.add_generation_prompt))
+            except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
+                raise APIError(400, f"messages could not be formatted: {exc}",
+                               param="messages") from exc
         out = {"count": len(ids), "max_model_len": self.max_len, "tokens": list(ids)}
         if body.return_token_strs:
             out["token_strs"] = self.tokenizer.convert_ids_to_tokens(list(ids))
@@ -408,8 +423,8 @@ class Ingress(IngressServer):
             if bad:
                 raise APIError(400, f"prompt holds token ids outside the vocabulary "
                                     f"(0..{vocab - 1}): {bad[:5]}", param="prompt")
-        grammar = await self._grammar(body)
-        return await self._respond(body, self._prepare(body, ids, "prompt", grammar),
+        grammar, field = await self._grammar(body)
+        return await self._respond(body, self._prepare(body, ids, "prompt", grammar, field),
                                    chat=False)
 
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse,
@@ -432,12 +447,14 @@ class Ingress(IngressServer):
         except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
             raise APIError(400, f"messages could not be formatted: {exc}",
                            param="messages") from exc
-        grammar = await self._grammar(body)
+        grammar, field = await self._grammar(body)
         forced = tools.grammar() if tools else None
         if forced is not None:
             if grammar is not None:
                 raise APIError(400, "a required tool call and a response_format both "
                                     "constrain the reply: give one", param="tool_choice")
-            grammar = forced
-        return await self._respond(body, self._prepare(body, list(ids), "messages", grammar),
-                                   chat=True, tools=tools)
+            grammar, field = forced, "tools"
+            await self._compiles(grammar, field)  # a tool's parameters schema it cannot use
+        return await self._respond(
+            body, self._prepare(body, list(ids), "messages", grammar, field), chat=True,
+            tools=tools)

@@ -339,6 +339,11 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    # The functions a chat request would list: the template renders them into the prompt.
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    # Not read: a chat request's body may be sent here as it is.
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("prompt")
     @classmethod

@@ -71,7 +71,8 @@ def grammar_of(response_format: ResponseFormat | None,
         s = structured
         if s.json_ is not None:
             text = s.json_ if isinstance(s.json_, str) else json.dumps(s.json_)
-            return _sized(GrammarSpec("json_schema", text)), "structured_outputs.json"
+            return _sized(GrammarSpec("json_schema", text), "structured_outputs.json"), \
+                "structured_outputs.json"
         if s.regex is not None:
             return GrammarSpec("regex", s.regex), "structured_outputs.regex"
         if s.choice is not None:
@@ -86,11 +87,20 @@ def grammar_of(response_format: ResponseFormat | None,
     schema = response_format.json_schema.schema_
     # No schema given: any JSON value would do, but a reply format means an object.
     text = json.dumps(schema if schema is not None else {"type": "object"})
-    return _sized(GrammarSpec("json_schema", text)), "response_format.json_schema.schema"
+    field = "response_format.json_schema.schema"
+    return _sized(GrammarSpec("json_schema", text), field), field
 
 
-def _sized(spec: GrammarSpec) -> GrammarSpec:
+class GrammarFieldError(ValueError):
+    """A grammar refused before compiling it, and the request field that gave it."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _sized(spec: GrammarSpec, field: str) -> GrammarSpec:
     if len(spec.text) > MAX_GRAMMAR_CHARS:
-        raise ValueError(f"the schema has {len(spec.text)} characters; at most "
-                         f"{MAX_GRAMMAR_CHARS}")
+        raise GrammarFieldError(f"{field}: the schema has {len(spec.text)} characters; at "
+                                f"most {MAX_GRAMMAR_CHARS}", field)
     return spec

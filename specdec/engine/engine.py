@@ -101,17 +101,22 @@ class Engine:
                               f"available: {sorted(self.proposers) or 'none'}")
         self.scheduler.enqueue(req)
 
-    def check_grammar(self, grammar: GrammarSpec) -> None:
+    def check_grammar(self, grammar: GrammarSpec, param: str = "response_format") -> None:
         """A grammar the engine can run: it needs the tokenizer (a token's text), and it
-        must compile. The first one also builds the tokenizer's index (seconds, once)."""
+        must compile against it (a grammar may name token ids this vocabulary lacks). The
+        first one also builds the tokenizer's index (seconds, once). Errors name `param`,
+        the request field that gave the grammar."""
         if self.tokenizer is None:
-            raise EngineError("structured output needs the model's tokenizer",
-                              param="response_format")
+            raise EngineError("structured output needs the model's tokenizer", param=param)
         error = grammar_error(grammar)
         if error:
-            raise EngineError(f"the grammar cannot be used: {error}", param="response_format")
-        GrammarState(grammar, self.tokenizer, self.vocab_size,
-                     tuple(self.eos_ids)).guesses_and_masks([])
+            raise EngineError(f"{param}: the grammar cannot be used: {error}", param=param)
+        try:
+            GrammarState(grammar, self.tokenizer, self.vocab_size,
+                         tuple(self.eos_ids)).guesses_and_masks([])
+        except ValueError as exc:
+            raise EngineError(f"{param}: the grammar cannot be used with this model's "
+                              f"tokenizer: {exc}", param=param) from exc
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)

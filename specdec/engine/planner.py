@@ -222,8 +222,8 @@ def _decode_rows(decode: list[Seq], ahead: dict[str, list[int]],
         guesses = prop.token_ids[: seq.k_now or seq.k_free] if prop else []
         masks = None
         if seq.grammar is not None:
-            # Cut at the first guess the grammar refuses: its p is 0, it would be rejected
-            # (a stop decided by guesses already drawn: exact, like the draft's own stop).
+            # Verified up to the first guess the grammar refuses (rejected there, its residual
+            # drawn: see GrammarState.guesses_and_masks); the guesses after it are dropped.
             n, masks = seq.grammar.guesses_and_masks(guesses)
             guesses = guesses[:n]
         num_draft[rid] = len(guesses)

@@ -7,9 +7,9 @@ Each sequence holds a matcher that has consumed the tokens emitted so far. A ver
 needs one mask per position: position j's mask is the grammar's after the emitted tokens
 plus guesses 0..j-1, computed by consuming those guesses and rolling them back. The rule
 then runs on the masked p, so the output follows the target's distribution restricted to
-the grammar, speculative or not. A guess the grammar cannot take would be rejected at its
-position (p = 0 there), so the proposal is cut before it instead (a stopping rule on
-guesses already drawn: exact, and no position is verified for nothing). The masks are
+the grammar, speculative or not. A guess the grammar cannot take is verified too and
+rejected at its position (p = 0 there), which draws from the residual max(0, p - q) as the
+rule says; the guesses after it are dropped (see guesses_and_masks). The masks are
 worked out on a copy of the matcher, never by consuming and rolling back on the sequence's
 own: a guess that drives a parser into a limit would otherwise stop it for good.
 """
@@ -79,11 +79,17 @@ class GrammarState:
             raise ValueError(self.matcher.get_error())
 
     def guesses_and_masks(self, guesses: list[int]) -> tuple[int, torch.Tensor]:
-        """How many of the guesses the grammar takes in order (n), and the bitmasks of the
-        positions verifying those needs, [n + 1, words] (int32, llguidance's layout):
-        position j's allowed tokens after guesses[:j]. Worked out on a copy of the matcher
-        (microseconds): the sequence's own only ever sees emitted tokens, so a guess that
-        drives the parser into a limit or an error cannot spoil it."""
+        """How many of the guesses to verify (n), and the bitmasks of the positions that
+        verify them, [n + 1, words] (int32, llguidance's layout): position j's allowed
+        tokens after guesses[:j]. The guesses the grammar takes in order are kept, and so is
+        the first one it refuses: verified, it is rejected with certainty (its masked p is
+        0) and the position draws from the rejection rule's residual max(0, p - q), as the
+        rule requires; cutting it off and drawing from p instead would favour the tokens
+        the draft also guessed whenever q is not one-hot. Nothing after it can be reached;
+        the position after it gets a copy of its mask (finite, never read). Worked out on a
+        copy of the matcher (microseconds): the sequence's own only ever sees emitted
+        tokens, so a guess that drives the parser into a limit or an error cannot spoil
+        it."""
         import llguidance.torch as lt
 
         m = self.matcher.deep_copy()
@@ -91,9 +97,10 @@ class GrammarState:
         lt.fill_next_token_bitmask(m, out, 0)
         n = 0
         for g in guesses:
-            if m.is_stopped() or not m.consume_token(g):
-                break
             n += 1
+            if m.is_stopped() or not m.consume_token(g):
+                out[n] = out[n - 1]  # refused: verified and rejected, nothing beyond
+                break
             lt.fill_next_token_bitmask(m, out, n)
         return n, out[: n + 1]
 

@@ -36,11 +36,13 @@ def _tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def chat_ids(tok, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+def chat_ids(tok, messages: list[dict], tools: list[dict] | None = None,
+             add_generation_prompt: bool = True) -> list[int]:
     """The prompt ids of a chat, by the model's own template, ready for the reply; the
     functions the model may call, where there are any, rendered by that template too."""
     return list(tok.apply_chat_template(messages, tools=tools, tokenize=True,
-                                        add_generation_prompt=True, return_dict=False))
+                                        add_generation_prompt=add_generation_prompt,
+                                        return_dict=False))
 
 
 def prompt_ids(tok, text: str, chat: bool) -> list[int]:

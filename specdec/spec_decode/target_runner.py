@@ -160,7 +160,13 @@ def _processed(rows: list[TargetRow], logits: torch.Tensor,
             out[off: off + n] = process_row(logits[off: off + n], params[r.seq_id],
                                             r.history, guesses)
         if r.masks is not None:
-            out[off: off + n] = apply_masks(out[off: off + n], r.masks)
+            masked = apply_masks(out[off: off + n], r.masks)
+            # A grammar that can only end where min_tokens holds the end back leaves no
+            # token at all: the grammar wins there (the reply ends short of min_tokens, valid).
+            dead = ~torch.isfinite(masked).any(-1)
+            if dead.any():
+                masked[dead] = apply_masks(logits[off: off + n], r.masks)[dead]
+            out[off: off + n] = masked
         off += n
     return out
 

@@ -177,6 +177,21 @@ def test_structured_output_with_the_openai_clients_parse(server):
         "model": MODEL, "prompt": "x", "response_format": {"type": "json_object"},
         "structured_outputs": {"regex": "a+"}})
     assert both.status_code == 400 and both.json()["error"]["param"] == "structured_outputs"
+    # Too large to be a reply format: named as the field it came in.
+    huge = {"type": "object", "description": "x" * 200_001}
+    r = client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": msgs, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": huge}}})
+    assert r.status_code == 400 and \
+        r.json()["error"]["param"] == "response_format.json_schema.schema", r.text
+    # Compiles alone, not against this vocabulary (a token id it lacks): a 400 from the
+    # engine naming the field, not a lost engine's 503.
+    r = client.post("/v1/completions", json={
+        "model": MODEL, "prompt": "x", "structured_outputs": {"grammar": "start: <[99999999]>"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs.grammar", \
+        r.text
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                "max_tokens": 2}).status_code == 200
 
 
 def test_tools_on_a_model_whose_template_has_none_are_a_400_naming_the_field(server):

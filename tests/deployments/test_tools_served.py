@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 from openai import OpenAI
 from serve_helpers import serve_app
@@ -77,6 +78,12 @@ def test_the_openai_function_calling_example(client, tool_choice):
     # The call and its result reached the prompt: the second turn's is longer by them.
     grew = completion_2.usage.prompt_tokens - completion.usage.prompt_tokens
     assert grew >= 20, (completion.usage, completion_2.usage)
+    # /tokenize renders the same conversation exactly as the chat route did.
+    sent = [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in messages]
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+    counted = httpx.post(f"{base}/tokenize", json={"model": MODEL, "messages": sent,
+                                                   "tools": TOOLS}, timeout=60).json()
+    assert counted["count"] == completion_2.usage.prompt_tokens, counted
 
 
 def test_a_streamed_call_arrives_as_tool_call_deltas(client):
@@ -93,3 +100,14 @@ def test_a_streamed_call_arrives_as_tool_call_deltas(client):
     assert calls[0].function.name == want.name
     assert json.loads(calls[0].function.arguments) == json.loads(want.arguments)
     assert not "".join(d.content or "" for d in deltas)  # nothing leaked as text
+
+
+def test_a_tool_schema_the_grammar_cannot_use_is_a_400_naming_tools(client):
+    bad = [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "required": ["x"],
+                                    "properties": {"x": {"type": "string", "pattern": "[a-"}}}}}]
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+    r = httpx.post(f"{base}/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": bad,
+        "tool_choice": "required"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
