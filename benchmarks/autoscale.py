@@ -1,0 +1,279 @@
+"""Autoscaling seen to work: the application of serve_config.gpu.yaml on Ray's own
+autoscaler with the node types of cluster/ray-cluster.yaml (benchmarks/fake_cluster.py: the
+fixture models on CPU, custom resources standing in for GPUs, times scaled down), driven
+through three phases:
+
+  start  the autoscaler launches the worker nodes (min_workers, and what the first
+         replica's placement group needs); the application becomes ready;
+  load   clients keep more requests in flight than one replica's target: Serve adds an
+         engine replica, the autoscaler a node for its draft, the ingress spreads requests
+         over both;
+  idle   a trickle of requests while the extra replica and then its node go away.
+
+Every request is recorded (sent, status, latency, the replica that served it, whether it
+speculated), and the cluster is sampled every second (replicas, nodes, requests in flight).
+
+    .venv/bin/python -m benchmarks.autoscale [--clients 6] [--plot autoscale.png] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.fake_cluster import FakeCluster, Scaling, app_args, load_gpu_config
+from benchmarks.table import print_table
+
+
+@dataclasses.dataclass
+class Call:
+    sent: float
+    done: float
+    status: int           # HTTP status; 0: no answer (a timeout or a broken connection)
+    retry_after: bool
+    replica: str | None
+    speculated: bool
+    phase: str
+
+
+@dataclasses.dataclass
+class Report:
+    calls: list[Call]
+    samples: list[dict]   # t, replicas running/starting, nodes by type, in flight
+    events: dict[str, float]  # what happened when (s since the cluster started)
+    min_nodes: dict[str, int]
+
+    def counts(self) -> dict[str, int]:
+        ok = sum(c.status == 200 for c in self.calls)
+        refused = sum(c.status == 503 and c.retry_after for c in self.calls)
+        return {"sent": len(self.calls), "succeeded": ok, "refused_503": refused,
+                "failed": len(self.calls) - ok - refused}
+
+    def replicas_serving(self, phase: str | None = None) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for c in self.calls:
+            if c.status == 200 and c.replica and (phase is None or c.phase == phase):
+                out[c.replica] = out.get(c.replica, 0) + 1
+        return out
+
+
+class _Recorder:
+    def __init__(self, t0: float) -> None:
+        self.t0, self.calls, self.lock = t0, [], threading.Lock()
+        self.in_flight = 0
+
+    def call(self, client: httpx.Client, phase: str, max_tokens: int) -> None:
+        with self.lock:
+            self.in_flight += 1
+        sent = time.monotonic() - self.t0
+        status, retry, replica, spec = 0, False, None, False
+        try:
+            r = client.post("/v1/completions", json={
+                "model": "tiny", "prompt": "w5 w6 w7 w8", "max_tokens": max_tokens,
+                "ignore_eos": True, "temperature": 0})
+            status, retry = r.status_code, "retry-after" in r.headers
+            if status == 200:
+                sd = r.json().get("spec_decode", {})
+                replica, spec = sd.get("replica"), bool(sd.get("rounds"))
+        except httpx.HTTPError:
+            pass
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+                self.calls.append(Call(sent, time.monotonic() - self.t0, status, retry,
+                                       replica, spec, phase))
+
+
+def _engine_replicas() -> dict[str, int]:
+    from ray import serve
+
+    try:
+        st = serve.status().applications["specdec"].deployments["Engine"]
+    except KeyError:
+        return {}
+    return {str(getattr(k, "value", k)).lower(): v for k, v in st.replica_states.items()}
+
+
+def run(clients: int = 6, max_tokens: int = 48, load_s: float = 150.0, idle_s: float = 240.0,
+        scaling: Scaling | None = None, log=print) -> Report:
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.launch import free_port
+    from specdec.pack.tiny import make_perturbed_copy, make_tiny_checkpoint
+
+    scaling = scaling or Scaling()
+    models = Path(tempfile.mkdtemp(prefix="sdfake-models-"))
+    target = make_tiny_checkpoint(models / "target", "llama")
+    draft = make_perturbed_copy(target, models / "draft", 0.05, 1)
+    args = app_args(load_gpu_config(), target, draft, scaling=scaling)
+    with FakeCluster(scaling=scaling) as cluster:
+        t0 = time.monotonic()
+        rec, samples, events = _Recorder(t0), [], {}
+        stop_sampling = threading.Event()
+
+        def stamp(name: str) -> None:
+            events[name] = round(time.monotonic() - t0, 1)
+            log(f"[{events[name]:6.1f} s] {name}")
+
+        def sample() -> None:
+            while not stop_sampling.is_set():
+                reps = _engine_replicas()
+                samples.append({"t": round(time.monotonic() - t0, 1),
+                                "running": reps.get("running", 0),
+                                "starting": reps.get("starting", 0),
+                                "nodes": cluster.nodes(), "in_flight": rec.in_flight})
+                stop_sampling.wait(1.0)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        try:
+            serve.run(build_app(args), name="specdec", route_prefix="/", blocking=False)
+            base = f"http://127.0.0.1:{port}"
+            with httpx.Client(base_url=base, timeout=120) as c:
+                while True:  # ready: a request served
+                    try:
+                        if c.post("/v1/completions", json={"model": "tiny", "prompt": "w5",
+                                                           "max_tokens": 2}).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    if time.monotonic() - t0 > 300:
+                        raise TimeoutError("the application did not become ready in 300 s")
+                    time.sleep(1)
+            min_nodes = cluster.nodes()
+            stamp(f"ready (nodes {min_nodes})")
+
+            stop = threading.Event()
+
+            def client(phase: str, pause: float) -> None:
+                with httpx.Client(base_url=base, timeout=120) as cx:
+                    while not stop.is_set():
+                        rec.call(cx, phase, max_tokens)
+                        stop.wait(pause)
+
+            workers = [threading.Thread(target=client, args=("load", 0.0))
+                       for _ in range(clients)]
+            for w in workers:
+                w.start()
+            stamp(f"load: {clients} clients")
+            deadline = time.monotonic() + load_s
+            while time.monotonic() < deadline:
+                if _engine_replicas().get("running", 0) >= 2 and \
+                        "second replica running" not in events:
+                    stamp("second replica running")
+                served = rec.calls and len({c.replica for c in rec.calls
+                                            if c.status == 200 and c.replica}) >= 2
+                if served and "both replicas serving" not in events:
+                    stamp("both replicas serving")
+                if "both replicas serving" in events and \
+                        time.monotonic() - t0 > events["both replicas serving"] + 10:
+                    break  # ten more seconds on both, to see the spread
+                time.sleep(0.5)
+            stop.set()
+            for w in workers:
+                w.join()
+            stamp("load over")
+            stop.clear()
+            trickle = threading.Thread(target=client, args=("idle", 0.5))
+            trickle.start()
+            deadline = time.monotonic() + idle_s
+            while time.monotonic() < deadline:
+                reps = _engine_replicas()
+                if reps.get("running", 0) == 1 and not reps.get("stopping") and \
+                        "back to one replica" not in events:
+                    stamp("back to one replica")
+                if "back to one replica" in events and cluster.nodes() == min_nodes:
+                    stamp(f"nodes back to the minimum ({min_nodes})")
+                    break
+                time.sleep(0.5)
+            stop.set()
+            trickle.join()
+            stamp("done")
+        finally:
+            stop_sampling.set()
+            sampler.join()
+            serve.shutdown()
+    return Report(rec.calls, samples, events, min_nodes)
+
+
+def first_speculation_after_first_serve(report: Report) -> dict[str, float]:
+    """Per replica: seconds from its first served request to its first that speculated."""
+    out = {}
+    for replica in report.replicas_serving():
+        mine = sorted((c for c in report.calls if c.replica == replica and c.status == 200),
+                      key=lambda c: c.done)
+        spec = next((c for c in mine if c.speculated), None)
+        out[replica] = round(spec.done - mine[0].done, 1) if spec else float("nan")
+    return out
+
+
+def plot(report: Report, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [s["t"] for s in report.samples]
+    fig, (a, b, c) = plt.subplots(3, 1, figsize=(9, 7), sharex=True)
+    a.step(t, [s["running"] for s in report.samples], where="post", label="engine replicas")
+    kinds = sorted({k for s in report.samples for k in s["nodes"]})
+    for k in kinds:
+        a.step(t, [s["nodes"].get(k, 0) for s in report.samples], where="post",
+               label=f"{k} nodes")
+    a.set_ylabel("count")
+    a.legend(loc="upper left", fontsize=8)
+    b.plot(t, [s["in_flight"] for s in report.samples])
+    b.set_ylabel("requests in flight")
+    ok = [x for x in report.calls if x.status == 200]
+    c.scatter([x.done for x in ok], [x.done - x.sent for x in ok], s=4)
+    bad = [x for x in report.calls if x.status != 200]
+    c.scatter([x.done for x in bad], [x.done - x.sent for x in bad], s=12, c="red")
+    c.set_ylabel("latency (s)")
+    c.set_xlabel("seconds since the cluster started")
+    for at in report.events.values():
+        for ax in (a, b, c):
+            ax.axvline(at, color="grey", lw=0.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--plot")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    report = run(args.clients, args.max_tokens)
+    print_table([{"event": k, "at_s": v} for k, v in report.events.items()], ["event", "at_s"],
+                title="timeline (seconds since the cluster started)")
+    print_table([report.counts()], list(report.counts()), title="requests")
+    print_table([{"replica": r, "served_load": n,
+                  "served_all": report.replicas_serving().get(r, 0),
+                  "first_spec_after_first_serve_s":
+                      first_speculation_after_first_serve(report).get(r)}
+                 for r, n in report.replicas_serving("load").items()],
+                ["replica", "served_load", "served_all", "first_spec_after_first_serve_s"],
+                title="engine replicas")
+    if args.plot:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "events": report.events, "counts": report.counts(), "samples": report.samples,
+            "calls": [dataclasses.asdict(c) for c in report.calls]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
