@@ -224,14 +224,15 @@ def plot(report: Report, path: str) -> None:
     import matplotlib.pyplot as plt
 
     t = [s["t"] for s in report.samples]
-    fig, (a, b, c) = plt.subplots(3, 1, figsize=(9, 7), sharex=True)
-    a.step(t, [s["running"] for s in report.samples], where="post", label="engine replicas")
-    kinds = sorted({k for s in report.samples for k in s["nodes"]})
-    for k in kinds:
-        a.step(t, [s["nodes"].get(k, 0) for s in report.samples], where="post",
-               label=f"{k} nodes")
-    a.set_ylabel("count")
-    a.legend(loc="upper left", fontsize=8)
+    fig, (r, n, b, c) = plt.subplots(4, 1, figsize=(9, 8), sharex=True)
+    r.step(t, [s["running"] for s in report.samples], where="post", label="running")
+    r.step(t, [s["starting"] for s in report.samples], where="post", label="starting")
+    r.set_ylabel("engine replicas")
+    r.legend(loc="upper left", fontsize=8)
+    for k in sorted({k for s in report.samples for k in s["nodes"]}):
+        n.step(t, [s["nodes"].get(k, 0) for s in report.samples], where="post", label=k)
+    n.set_ylabel("nodes")
+    n.legend(loc="upper left", fontsize=8)
     b.plot(t, [s["in_flight"] for s in report.samples])
     b.set_ylabel("requests in flight")
     ok = [x for x in report.calls if x.status == 200]
@@ -241,7 +242,7 @@ def plot(report: Report, path: str) -> None:
     c.set_ylabel("latency (s)")
     c.set_xlabel("seconds since the cluster started")
     for at in report.events.values():
-        for ax in (a, b, c):
+        for ax in (r, n, b, c):
             ax.axvline(at, color="grey", lw=0.5)
     fig.tight_layout()
     fig.savefig(path, dpi=90)

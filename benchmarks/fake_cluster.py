@@ -111,7 +111,7 @@ def app_args(serve_config: dict, target: Path, draft: Path, model_name: str = "t
     auto["target_ongoing_requests"] = max(1.0, share * scaling.max_slots)
     for key, default in (("upscale_delay_s", 30.0), ("downscale_delay_s", 600.0)):
         auto[key] = auto.get(key, default) / scaling.time_scale
-    args.update(model_name=model_name, overlap="off", warmup=False,
+    args.update(model_name=model_name, overlap="off",
                 default_max_tokens=32, max_tokens_per_step=scaling.max_len,
                 replica_cpus=0.1, ingress_cpus=0.1)
     return args
