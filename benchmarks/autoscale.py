@@ -8,7 +8,8 @@ through three phases:
   load   clients keep more requests in flight than one replica's target: Serve adds an
          engine replica, the autoscaler a node for its draft, the ingress spreads requests
          over both;
-  idle   a trickle of requests while the extra replica and then its node go away.
+  idle   two clients keep a longer request in flight while the extra replica drains and
+         then its node goes away.
 
 Every request is recorded (sent, status, latency, the replica that served it, whether it
 speculated), and the cluster is sampled every second (replicas, nodes, requests in flight).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import tempfile
 import threading
 import time
@@ -117,25 +119,32 @@ def run(clients: int = 6, max_tokens: int = 48, load_s: float = 150.0, idle_s: f
     with FakeCluster(scaling=scaling) as cluster:
         t0 = time.monotonic()
         rec, samples, events = _Recorder(t0), [], {}
-        stop_sampling = threading.Event()
+        stop_sampling, stop = threading.Event(), threading.Event()
 
         def stamp(name: str) -> None:
             events[name] = round(time.monotonic() - t0, 1)
             log(f"[{events[name]:6.1f} s] {name}")
 
+        def take_sample() -> None:
+            reps = _engine_replicas()
+            samples.append({"t": round(time.monotonic() - t0, 1),
+                            "running": reps.get("running", 0),
+                            "starting": reps.get("starting", 0),
+                            "stopping": reps.get("stopping", 0),
+                            "nodes": cluster.nodes(), "in_flight": rec.in_flight})
+
         def sample() -> None:
             while not stop_sampling.is_set():
-                reps = _engine_replicas()
-                samples.append({"t": round(time.monotonic() - t0, 1),
-                                "running": reps.get("running", 0),
-                                "starting": reps.get("starting", 0),
-                                "nodes": cluster.nodes(), "in_flight": rec.in_flight})
+                take_sample()
                 stop_sampling.wait(1.0)
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # One proxy, on the head: a proxy on a node the autoscaler removes would take the
+        # client connections pinned to it along.
+        serve.start(http_options={"host": "127.0.0.1", "port": port},
+                    proxy_location="HeadOnly")
         try:
             serve.run(build_app(args), name="specdec", route_prefix="/", blocking=False)
             base = f"http://127.0.0.1:{port}"
@@ -153,15 +162,13 @@ def run(clients: int = 6, max_tokens: int = 48, load_s: float = 150.0, idle_s: f
             min_nodes = cluster.nodes()
             stamp(f"ready (nodes {min_nodes})")
 
-            stop = threading.Event()
-
             def client(phase: str, pause: float) -> None:
                 with httpx.Client(base_url=base, timeout=120) as cx:
                     while not stop.is_set():
-                        rec.call(cx, phase, max_tokens)
+                        rec.call(cx, phase, max_tokens if phase == "load" else 4 * max_tokens)
                         stop.wait(pause)
 
-            workers = [threading.Thread(target=client, args=("load", 0.0))
+            workers = [threading.Thread(target=client, args=("load", 0.0), daemon=True)
                        for _ in range(clients)]
             for w in workers:
                 w.start()
@@ -181,11 +188,14 @@ def run(clients: int = 6, max_tokens: int = 48, load_s: float = 150.0, idle_s: f
                 time.sleep(0.5)
             stop.set()
             for w in workers:
-                w.join()
+                w.join(timeout=180)
             stamp("load over")
             stop.clear()
-            trickle = threading.Thread(target=client, args=("idle", 0.5))
-            trickle.start()
+            # Two clients keep a request in flight while the extra replica drains.
+            workers = [threading.Thread(target=client, args=("idle", 0.2), daemon=True)
+                       for _ in range(2)]
+            for w in workers:
+                w.start()
             deadline = time.monotonic() + idle_s
             while time.monotonic() < deadline:
                 reps = _engine_replicas()
@@ -197,13 +207,47 @@ def run(clients: int = 6, max_tokens: int = 48, load_s: float = 150.0, idle_s: f
                     break
                 time.sleep(0.5)
             stop.set()
-            trickle.join()
+            for w in workers:
+                w.join(timeout=180)
             stamp("done")
         finally:
+            stop.set()  # whatever ended the run, no client keeps sending
             stop_sampling.set()
             sampler.join()
+            take_sample()  # the state at the end, after the last event
             serve.shutdown()
+    shutil.rmtree(models, ignore_errors=True)
     return Report(rec.calls, samples, events, min_nodes)
+
+
+def changes(report: Report) -> list[dict]:
+    """The samples at which the replicas or the nodes changed: the run's timeline."""
+    out, prev = [], None
+    for smp in report.samples:
+        key = (smp["running"], smp["starting"], smp.get("stopping", 0),
+               tuple(sorted(smp["nodes"].items())))
+        if key != prev:
+            out.append({"t": smp["t"], "running": key[0], "starting": key[1],
+                        "stopping": key[2],
+                        "nodes": ", ".join(f"{k} {v}" for k, v in key[3])})
+            prev = key
+    return out
+
+
+def served_through_drain(report: Report) -> tuple[str | None, int]:
+    """The replica that went away, and how many of its requests were in flight when it
+    began to drain (sent before, answered after) and were answered 200."""
+    stopping = next((smp["t"] for smp in report.samples
+                     if smp.get("stopping") and smp["t"] > report.events.get("load over", 0)),
+                    None)
+    ok = sorted((c for c in report.calls if c.status == 200 and c.replica),
+                key=lambda c: c.done)
+    if stopping is None or not ok:
+        return None, 0
+    staying = ok[-1].replica
+    gone = next((r for r in report.replicas_serving() if r != staying), None)
+    n = sum(c.replica == gone and c.sent <= stopping <= c.done for c in ok)
+    return gone, n
 
 
 def first_speculation_after_first_serve(report: Report) -> dict[str, float]:
@@ -258,7 +302,12 @@ def main(argv=None) -> int:
     report = run(args.clients, args.max_tokens)
     print_table([{"event": k, "at_s": v} for k, v in report.events.items()], ["event", "at_s"],
                 title="timeline (seconds since the cluster started)")
+    print_table(changes(report), ["t", "running", "starting", "stopping", "nodes"],
+                title="replicas and nodes, as sampled each second (s since the cluster started)")
     print_table([report.counts()], list(report.counts()), title="requests")
+    gone, through = served_through_drain(report)
+    print(f"replica {gone} drained: {through} of its requests were in flight when its "
+          "drain began, and were answered")
     print_table([{"replica": r, "served_load": n,
                   "served_all": report.replicas_serving().get(r, 0),
                   "first_spec_after_first_serve_s":

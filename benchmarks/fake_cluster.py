@@ -16,8 +16,9 @@ Ray's fake multi-node provider (RAY_FAKE_CLUSTER) runs the real autoscaler (moni
 and launches each "node" as a raylet of that node type's resources on this host.
 `ray.cluster_utils.AutoscalingCluster` does the same but starts and stops with `ray stop
 --force`, which would take down every other Ray on the machine; here the head is ours
-(its own ports and temp dir), and at the end every process started under that temp dir is
-ended by its PID, nodes the autoscaler launched included.
+(its own ports and temp dir), and at the end every process it started is ended by its
+PID: the head's processes and all their descendants, the nodes the
+autoscaler launched included.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import os
 import shutil
 import socket
 import tempfile
-import time
 from pathlib import Path
 
 import yaml
@@ -155,7 +155,8 @@ class FakeCluster:
             self._head = Cluster(initialize_head=True, head_node_args={
                 "num_cpus": self.scaling.head_cpus, "gcs_server_port": port,
                 "temp_dir": str(Path(self.tmp) / "ray"), "include_dashboard": False,
-                "dashboard_port": _free_port(), "autoscaling_config": str(path)})
+                "dashboard_port": _free_port(), "dashboard_agent_listen_port": 0,
+                "autoscaling_config": str(path)})
             ray.init(address=self._head.address,
                      runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}})
         except BaseException:
@@ -182,11 +183,18 @@ class FakeCluster:
         import ray
 
         try:
-            ray.shutdown()
-            if self._head is not None:
-                self._head.shutdown()
+            # Taken before the head goes: its processes and all their descendants (the
+            # nodes the autoscaler launched are its monitor's children, started without a
+            # reaper, and outlive it; Ray's workers rename themselves, so a command line
+            # does not tell them).
+            ours = self._head_descendants()
+            try:
+                ray.shutdown()
+                if self._head is not None:
+                    self._head.shutdown()
+            finally:
+                _end(ours)
         finally:
-            self._end_leftovers()
             for key, value in self._saved_env.items():
                 if value is None:
                     os.environ.pop(key, None)
@@ -194,26 +202,40 @@ class FakeCluster:
                     os.environ[key] = value
             shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def _end_leftovers(self, wait_s: float = 5.0) -> None:
-        """Nodes the autoscaler launched outlive the head (they are its monitor's children,
-        started without a reaper): every process whose command line names our temp dir
-        was started for this cluster, and is ended by its PID."""
+    def _head_descendants(self) -> list:
         import psutil
 
-        mine = [p for p in psutil.process_iter(["pid", "cmdline"])
-                if p.pid != os.getpid() and any(self.tmp in a for a in p.info["cmdline"] or [])]
-        for p in mine:
-            try:
-                p.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(mine, timeout=wait_s)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        time.sleep(0.1)
+        if self._head is None:
+            return []
+        out = []
+        for infos in self._head.head_node.all_processes.values():
+            for info in infos:
+                try:
+                    p = psutil.Process(info.process.pid)
+                    out += [p, *p.children(recursive=True)]
+                except psutil.Error:
+                    pass
+        return out
+
+
+def _end(procs: list, wait_s: float = 5.0) -> None:
+    """Terminate, then kill, what is still alive of `procs` (processes this cluster
+    started), each by its PID."""
+    import psutil
+
+    me = os.getpid()
+    procs = [p for p in procs if p.pid != me]
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=wait_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
 
 
 def load_gpu_config() -> dict:
