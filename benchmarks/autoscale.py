@@ -236,18 +236,20 @@ def changes(report: Report) -> list[dict]:
 
 def served_through_drain(report: Report) -> tuple[str | None, int]:
     """The replica that went away, and how many of its requests were in flight when it
-    began to drain (sent before, answered after) and were answered 200."""
-    stopping = next((smp["t"] for smp in report.samples
-                     if smp.get("stopping") and smp["t"] > report.events.get("load over", 0)),
-                    None)
+    began to drain (sent before, answered after; 0 when no sample caught the drain, which
+    can be shorter than the sampling's second) and were answered 200."""
     ok = sorted((c for c in report.calls if c.status == 200 and c.replica),
                 key=lambda c: c.done)
-    if stopping is None or not ok:
+    if not ok:
         return None, 0
     staying = ok[-1].replica
     gone = next((r for r in report.replicas_serving() if r != staying), None)
-    n = sum(c.replica == gone and c.sent <= stopping <= c.done for c in ok)
-    return gone, n
+    after = report.events.get("load over", 0)
+    drain = next((smp["t"] for smp in report.samples
+                  if smp["t"] > after and (smp.get("stopping") or smp["running"] < 2)), None)
+    if gone is None or drain is None:
+        return gone, 0
+    return gone, sum(c.replica == gone and c.sent <= drain <= c.done for c in ok)
 
 
 def first_speculation_after_first_serve(report: Report) -> dict[str, float]:
