@@ -58,7 +58,7 @@ from deployments.startup import waiting_for
 from deployments.tool_calls import ToolPlan, ToolRequestError, tool_plan
 from specdec.errors import ConfigError
 from specdec.model.grammar import GrammarSpec, grammar_error
-from specdec.model.sampling import SamplingParams
+from specdec.model.sampling import MIN_TEMPERATURE, SamplingParams
 from specdec.pack.hub import resolve
 from specdec.pack.tokenizer import chat_ids, load_tokenizer
 from specdec.policy.engine_policy import Overrides
@@ -266,7 +266,9 @@ class IngressServer:
                                 f"({max_tokens})", param="min_tokens")
         spec = req.speculative
         try:
-            params = SamplingParams(temperature=req.temperature, top_p=req.top_p,
+            # A temperature below MIN_TEMPERATURE is its limit, greedy (as vLLM takes it).
+            temperature = req.temperature if req.temperature >= MIN_TEMPERATURE else 0.0
+            params = SamplingParams(temperature=temperature, top_p=req.top_p,
                                     top_k=req.top_k, seed=req.seed, max_tokens=max_tokens,
                                     stop=tuple(req.stop or ()), ignore_eos=req.ignore_eos,
                                     logprobs=req.top_logprobs_asked(),

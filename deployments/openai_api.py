@@ -33,7 +33,12 @@ from pydantic import (
 
 from deployments.structured_output import ResponseFormat, StructuredOutputs, grammar_of
 from deployments.tool_calls import ToolCall, ToolChoice, ToolDef
-from specdec.model.sampling import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
+from specdec.model.sampling import (
+    MAX_TOP_LOGPROBS,
+    MIN_REPETITION_PENALTY,
+    SEED_MAX,
+    SEED_MIN,
+)
 
 MAX_TOKENS_CAP = 1 << 20
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -145,7 +150,7 @@ class _SamplingFields(_Unimplemented):
     # repetition_penalty, min_tokens, stop_token_ids), applied to the target's logits.
     presence_penalty: float = Field(0.0, ge=-2, le=2, strict=True)
     frequency_penalty: float = Field(0.0, ge=-2, le=2, strict=True)
-    repetition_penalty: float = Field(1.0, gt=0, le=10, strict=True)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=10, strict=True)
     min_p: float = Field(0.0, ge=0, le=1, strict=True)
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_CAP, strict=True)
     stop_token_ids: list[int] | None = Field(None, max_length=64)

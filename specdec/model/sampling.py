@@ -15,6 +15,9 @@ from specdec.model.grammar import GrammarSpec
 from specdec.model.host_copy import to_device, to_device_all
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+# vLLM's sampling epsilon: a temperature below it decodes greedily (its limit).
+MIN_TEMPERATURE = 1e-5
+MIN_REPETITION_PENALTY = 0.01
 MAX_TOP_LOGPROBS = 20  # alternatives per token at most (OpenAI's chat limit)
 
 
@@ -45,8 +48,10 @@ class SamplingParams:
     grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
-        if not 0 <= self.temperature < float("inf"):  # NaN fails this too
-            raise ValueError("temperature must be a finite number >= 0")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf")):
+            # NaN fails this too. Below MIN_TEMPERATURE the logits / temperature overflow in
+            # fp32 (a denormal is flushed to 0): callers take such a request as greedy.
+            raise ValueError(f"temperature must be 0 or a finite number >= {MIN_TEMPERATURE}")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
@@ -56,8 +61,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in -2..2")
-        if not 0 < self.repetition_penalty <= 10:  # NaN fails these too
-            raise ValueError("repetition_penalty must be in (0, 10]")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10:  # NaN fails these too
+            # A positive logit is divided by it: below this it overflows to infinity.
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 10]")
         if not 0 <= self.min_p <= 1:
             raise ValueError("min_p must be in [0, 1]")
         if self.min_tokens < 0:

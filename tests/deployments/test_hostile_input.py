@@ -98,6 +98,10 @@ CASES = [
                                                 "repetition_penalty": 1.0, "logprobs": None},
      200, None),
     ("repetition_penalty 0", C, {**ok, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    # Found by the fuzzer (a 500: logits / 5e-324 overflowed): refused, naming the field.
+    ("repetition_penalty denormal", C, {**ok, "repetition_penalty": 5e-324}, 400,
+     "repetition_penalty"),
+    ("temperature denormal (legal: greedy)", C, {**ok, "temperature": 5e-324}, 200, None),
     ("unknown field", C, {**ok, "foo": {"bar": 1}}, 400, "foo"),
     ("misspelt speculative", C, {**ok, "speculation": "off"}, 400, "speculation"),
     ("misspelt max_tokens", C, {**ok, "max_token": 2}, 400, "max_token"),

@@ -164,6 +164,8 @@ def test_sampled_speculation_keeps_the_penalized_distribution(tiny_llama, tiny_l
 def test_out_of_range_controls_are_refused():
     for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3),
                 dict(repetition_penalty=0), dict(min_p=1.5), dict(min_tokens=-1),
-                dict(logit_bias=((5, 101.0),)), dict(repetition_penalty=float("nan"))):
+                dict(logit_bias=((5, 101.0),)), dict(repetition_penalty=float("nan")),
+                # Found by the schema fuzzer: a positive logit / 5e-324 is inf, then NaN.
+                dict(repetition_penalty=5e-324), dict(temperature=1e-9)):
         with pytest.raises(ValueError, match=next(iter(bad)).split("_")[0]):
             SamplingParams(**bad)
