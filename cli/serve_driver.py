@@ -30,6 +30,10 @@ def main(config_path: str) -> int:
     # Ray's core installs a handler that dumps the stack and aborts on SIGTERM; the parent
     # sends SIGINT, but a SIGTERM aimed at this process alone should stop it the same way.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # Started from a shell's background job (`specdec serve ... &` in a script), SIGINT
+    # comes in ignored, and Python then installs no handler of its own: the parent's stop
+    # would go unheard. The stop is ours to hear, whatever the shell did.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     client = serve_api.serve_start(
         http_options=config.http_options.model_dump(), proxy_location=config.proxy_location,
         grpc_options=gRPCOptions(**config.grpc_options.model_dump()),

@@ -72,7 +72,13 @@ def _stream(base: str, out: list, started: threading.Semaphore) -> None:
         out.append((repr(exc), tokens, finish, time.monotonic()))
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sigterm-group"])
+def _as_a_background_job() -> None:
+    # What a non-interactive shell does to a command run with `&`: SIGINT ignored, which
+    # the process and its children inherit.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sigterm-group", "sigterm-background"])
 def test_every_way_of_stopping_drains_and_exits_cleanly(how, tmp_path, tiny_llama,
                                                         tiny_llama_draft):
     config, port = _config(tmp_path, tiny_llama, tiny_llama_draft)
@@ -84,7 +90,9 @@ def test_every_way_of_stopping_drains_and_exits_cleanly(how, tmp_path, tiny_llam
         # Its own process group, as a shell gives a job: the group signals reach only it.
         proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", str(config),
                                  "--grace", "60"], cwd=ROOT, env=env, stdout=sink,
-                                stderr=subprocess.STDOUT, process_group=0)
+                                stderr=subprocess.STDOUT, process_group=0,
+                                preexec_fn=_as_a_background_job
+                                if how == "sigterm-background" else None)
     driver = None
     try:
         _wait_ready(base, proc)
@@ -103,7 +111,7 @@ def test_every_way_of_stopping_drains_and_exits_cleanly(how, tmp_path, tiny_llam
         signalled = time.monotonic()
         if how == "ctrl-c":
             os.killpg(proc.pid, signal.SIGINT)
-        elif how == "sigterm":
+        elif how in ("sigterm", "sigterm-background"):
             os.kill(proc.pid, signal.SIGTERM)
         else:
             os.killpg(proc.pid, signal.SIGTERM)
