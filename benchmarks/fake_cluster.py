@@ -14,8 +14,8 @@ cannot run here is scaled, each for a stated reason:
 
 Ray's fake multi-node provider (RAY_FAKE_CLUSTER) runs the real autoscaler (monitor.py)
 and launches each "node" as a raylet of that node type's resources on this host.
-`ray.cluster_utils.AutoscalingCluster` does the same but starts and stops with `ray stop
---force`, which would take down every other Ray on the machine; here the head is ours
+`ray.cluster_utils.AutoscalingCluster` does the same but starts and stops by stopping
+every Ray on the machine, other people's included; here the head is ours
 (its own ports and temp dir), and at the end every process it started is ended by its
 PID: the head's processes and all their descendants, the nodes the
 autoscaler launched included.

@@ -9,9 +9,10 @@ from pydantic import ValidationError
 from ray import serve
 
 from deployments.actors.placement import bundles_for
+from deployments.api_key import api_key_from
 from deployments.app_config import AppArgs
 from deployments.engine_server import EngineServer
-from deployments.ingress import Ingress, api_key_from
+from deployments.ingress import Ingress
 from specdec.errors import ConfigError
 
 

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.api_key import api_key_from
 from deployments.app_config import AppArgs
 from deployments.body_limit import BodyLimit
 from deployments.contract import GenerateCall
@@ -56,7 +57,6 @@ from deployments.responses import (
 )
 from deployments.startup import waiting_for
 from deployments.tool_calls import ToolPlan, ToolRequestError, tool_plan
-from specdec.errors import ConfigError
 from specdec.model.grammar import GrammarSpec, grammar_error
 from specdec.model.sampling import MIN_TEMPERATURE, SamplingParams
 from specdec.pack.hub import resolve
@@ -114,20 +114,6 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 # symbols included), generously: the character cap is the context times this.
 CHARS_PER_TOKEN = 64
 HEALTH_TTL_S = 1.0
-MIN_API_KEY = 8
-
-
-def api_key_from(environ, configured: str | None) -> str | None:
-    """SPECDEC_API_KEY when set, else the config's api_key. Set but empty or short, it is a
-    mistake that would leave the service open: refused."""
-    value = environ.get("SPECDEC_API_KEY")
-    if value is None:
-        return configured
-    if len(value.strip()) < MIN_API_KEY:
-        what = "empty" if not value.strip() else f"shorter than {MIN_API_KEY} characters"
-        raise ConfigError(f"SPECDEC_API_KEY is set but {what}: set a real key, or unset it "
-                          "to serve without one")
-    return value.strip()
 
 
 class IngressServer:

@@ -135,7 +135,7 @@ def test_the_detokenizer_decodes_a_bounded_window_per_step(qwen_target_path):
 
 
 def test_a_set_but_empty_api_key_is_refused():
-    from deployments.ingress import api_key_from
+    from deployments.api_key import api_key_from
 
     assert api_key_from({}, None) is None
     assert api_key_from({}, "configured-key") == "configured-key"

@@ -66,6 +66,12 @@ def _params(grammar: GrammarSpec, **kw) -> SamplingParams:
 SCHEMA = GrammarSpec("json_schema", json.dumps(PERSON))
 
 
+def _texts(engine: Engine, prompt, params: SamplingParams, method: str, k: int, n: int):
+    """n sampled replies to one prompt: how often each text came, and the engine."""
+    outs = engine.run([Request(f"s{i}", prompt, params, method, k) for i in range(n)])
+    return collections.Counter(o.text for o in outs.values()), engine
+
+
 @pytest.mark.parametrize("method,k", [("draft", 3), ("ngram", 3)])
 def test_greedy_schema_replies_are_valid_and_speculation_changes_no_token(smol, method, k):
     prompts = smol["prompts"][:4]
@@ -151,15 +157,9 @@ def test_sampled_choices_keep_the_masked_distribution(smol):
                                               "Michigan", "Maine", "Montana"]))
     prompt = smol["prompts"][1]
 
-    def counts(method, k, n=400):
-        engine = _engine(smol, queue=10**5)
-        outs = engine.run([Request(f"s{i}", prompt, _params(spec_, temperature=1.0,
-                                                            max_tokens=6), method, k)
-                           for i in range(n)])
-        return collections.Counter(o.text for o in outs.values()), engine
-
-    plain, _ = counts("none", 0)
-    spec, engine = counts("draft", 2)
+    params = _params(spec_, temperature=1.0, max_tokens=6)
+    plain, _ = _texts(_engine(smol, queue=10**5), prompt, params, "none", 0, 400)
+    spec, engine = _texts(_engine(smol, queue=10**5), prompt, params, "draft", 2, 400)
     assert set(plain) <= {"Mississippi", "Missouri", "Minnesota", "Michigan", "Maine",
                           "Montana"} and len(plain) >= 3
     assert contingency_pvalue(plain, spec) > 1e-3
@@ -191,17 +191,14 @@ def test_a_draft_guessing_refused_tokens_keeps_the_masked_distribution(smol):
                                      return_dict=False)
     answer = GrammarSpec("regex", "Answer: (yes|no)")
 
-    def counts(method, k, n=200):
-        engine = Engine(LocalTargetRunner(smol["target"], 8, 512),
-                        {"half-refused": _HalfRefused(tok)}, tok, smol["eos"],
-                        EngineConfig(max_waiting=10**5))
-        outs = engine.run([Request(f"s{i}", prompt, _params(answer, temperature=1.0,
-                                                            max_tokens=8), method, k)
-                           for i in range(n)])
-        return collections.Counter(o.text for o in outs.values()), engine
+    def engine():
+        return Engine(LocalTargetRunner(smol["target"], 8, 512),
+                      {"half-refused": _HalfRefused(tok)}, tok, smol["eos"],
+                      EngineConfig(max_waiting=10**5))
 
-    plain, _ = counts("none", 0)
-    spec, engine = counts("half-refused", 1)
+    params = _params(answer, temperature=1.0, max_tokens=8)
+    plain, _ = _texts(engine(), prompt, params, "none", 0, 200)
+    spec, engine = _texts(engine(), prompt, params, "half-refused", 1, 200)
     assert set(plain) | set(spec) <= {"Answer: yes", "Answer: no"}
     assert min(plain.values()) >= 30  # both answers common: a skew would show
     # Measured: 1.5e-7 when the refused guess is cut off, 0.11 as it is.
