@@ -141,7 +141,9 @@ class FakeCluster:
 
         # The monitor (the autoscaler) inherits these from this process: the fake provider
         # refuses to run without the first; the second makes it look every second.
+        # The third: every node exports its metrics each second (for a Prometheus beside).
         for key, value in (("RAY_FAKE_CLUSTER", "1"), ("AUTOSCALER_UPDATE_INTERVAL_S", "1"),
+                           ("RAY_metrics_report_interval_ms", "1000"),
                            ("RAY_TMPDIR", self.tmp)):  # even Ray's address file stays ours
             self._saved_env[key] = os.environ.get(key)
             os.environ[key] = value
@@ -178,6 +180,15 @@ class FakeCluster:
                          if any(k in n["Resources"] for k in keys)), "head")
             count[kind] = count.get(kind, 0) + 1
         return count
+
+    def metrics_addresses(self) -> list[str]:
+        """Each alive node's metrics export address: what Ray's head writes into the file
+        cluster/prometheus.yml discovers nodes by (the head's dashboard, which writes it,
+        is not started here)."""
+        import ray
+
+        return [f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}" for n in ray.nodes()
+                if n["Alive"] and n.get("MetricsExportPort")]
 
     def __exit__(self, *exc) -> None:
         import ray

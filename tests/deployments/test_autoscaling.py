@@ -4,7 +4,8 @@ of serve_config.gpu.yaml, fixture models on CPU, times scaled down (benchmarks/a
 runs the same scenario as a demo). Start: the autoscaler launches the minimum nodes and the
 application becomes ready; load: a second engine replica starts, the autoscaler launches a
 node for its draft, both replicas serve; idle: the replica drains and then its node goes
-away. No request fails, none is lost, throughout."""
+away, a request in flight on it answered in full. No request fails, none is lost,
+throughout; Prometheus and the Grafana dashboard show both replicas under load."""
 
 from __future__ import annotations
 
@@ -42,10 +43,21 @@ def test_scale_up_under_load_and_back_down_when_idle_losing_nothing():
     serving = report.replicas_serving("load")
     assert len(serving) == 2 and min(serving.values()) >= 3, serving
     assert all(s <= 10 for s in first_speculation_after_first_serve(report).values())
-    # Requests sent while the replica drained and its node went away: all answered 200.
-    gone, _ = served_through_drain(report)
+    # Requests sent while the replica drained and its node went away: all answered 200,
+    # and at least one was in flight on the draining replica when its drain began.
+    gone, through = served_through_drain(report)
     idle = [c for c in report.calls if c.phase == "idle"]
     assert gone is not None and idle and all(c.status == 200 for c in idle)
+    assert "drain began" in ev and through >= 1, (ev, through)
+    # Prometheus (cluster/prometheus.yml, following the nodes) and the committed dashboard
+    # show both replicas: its replica variable, every batch panel series, tokens by replica
+    # (the metric's replica tag is the one the responses name).
+    both = sorted(serving)
+    dash = report.dashboard
+    assert dash["replica_variable"] == both, (dash, both)
+    assert all(replicas == both for replicas in dash["batch_panel"]), dash
+    assert sorted(dash["tokens_by_replica"]) == both, dash
+    assert all(v > 0 for v in dash["tokens_by_replica"].values()), dash
     # A second serving replica within node start + model load (the first replica's, up to
     # ready) + 30 s of the load beginning.
     ready = next(v for k, v in ev.items() if k.startswith("ready"))
