@@ -25,6 +25,8 @@ class GenerateCall:
     stream: bool
     # The request field that asked for params.grammar: an error about it names that field.
     grammar_field: str | None = None
+    # The OpenAI `user` field: the suffix index's scope where that is per user.
+    user: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -268,7 +268,7 @@ class IngressServer:
             raise APIError(400, str(exc)) from exc
         return GenerateCall(uuid.uuid4().hex, prompt_ids, params,
                             Overrides(spec.mode, spec.method, spec.k), bool(req.stream),
-                            grammar_field)
+                            grammar_field, req.user)
 
     def _check_ids(self, req) -> None:
         """Token ids a request names must be in the vocabulary: refused, naming the field."""

@@ -170,7 +170,8 @@ class AssembledEngine:
         return self.engine.proposers.get("draft")
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               wanted: Overrides | None = None, on_output=None) -> tuple[Request, Decision]:
+               wanted: Overrides | None = None, on_output=None,
+               tenant: str | None = None) -> tuple[Request, Decision]:
         """Decide this request's speculation from the engine's own load (the policy), then
         queue it: the path every served request takes. Raises EngineError (a bad override)
         or CapacityError (queue full)."""
@@ -193,7 +194,7 @@ class AssembledEngine:
         req = Request(request_id, prompt_ids, params, method, decision.k, on_output,
                       fixed_k=wanted.k is not None or wanted.mode == "off",
                       speculate=wanted.mode == "on" and decision.mode == "speculative",
-                      pinned_method=wanted.method is not None)
+                      pinned_method=wanted.method is not None, tenant=tenant)
         self.engine.add_request(req)
         return req, decision
 
@@ -230,7 +231,7 @@ def assemble(spec: EngineSpec, backend: Backend,
         if sx.enabled:
             proposers["suffix"] = SuffixProposer(sx.min_n, sx.max_n, sx.table_bits,
                                                  sx.spec_factor, sx.min_count, sx.shared,
-                                                 sx.plain_rows_k)
+                                                 sx.plain_rows_k, sx.scope)
         if draft_path is not None:
             phase("loading the draft model")
             proposers["draft"] = backend.draft(spec, draft_path)

@@ -394,7 +394,7 @@ class Engine:
         for p in self.proposers.values():
             observe = getattr(p, "observe", None)  # learns from every finished request
             if observe is not None and reason != "error":
-                observe(rid, seq.tokens)
+                observe(rid, seq.tokens, seq.req.tenant)
             p.release(rid)
         return make_output(seq, new or [], finished=True, reason=reason, error=error,
                            kind=kind)

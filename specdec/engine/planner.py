@@ -159,16 +159,19 @@ def _asks(decode: list[Seq], rec: StepRecord, max_len: int) -> _Asks:
             window_k = min(seq.k_now, max_len - len(context) + 1)
             if window_k > 0:
                 out.ahead[rid] = ahead
-                out.windows.append(ProposeInput(rid, context, window_k, seq.req.params))
+                out.windows.append(ProposeInput(rid, context, window_k, seq.req.params,
+                                                tenant=seq.req.tenant))
                 continue
         seq.ahead = None
         if seq.k_now:
             out.by_method[method].append(ProposeInput(rid, seq.tokens, seq.k_now,
-                                                      seq.req.params))
+                                                      seq.req.params, tenant=seq.req.tenant))
             if seq.k_free:  # the suffix index may lead this round (Engine._suffix_may_lead)
-                out.lead.append(ProposeInput(rid, seq.tokens, seq.k_free, seq.req.params))
+                out.lead.append(ProposeInput(rid, seq.tokens, seq.k_free, seq.req.params,
+                                             tenant=seq.req.tenant))
         elif seq.k_free:
-            out.free.append(ProposeInput(rid, seq.tokens, seq.k_free, seq.req.params))
+            out.free.append(ProposeInput(rid, seq.tokens, seq.k_free, seq.req.params,
+                                         tenant=seq.req.tenant))
     return out
 
 

@@ -30,6 +30,8 @@ class Request:
     # round may take the suffix index's guesses where they beat the draft's, for free).
     pinned_method: bool = False
     arrival: float = 0.0             # time.monotonic() when the engine took it (set there)
+    # Who sent it (the OpenAI `user` field): scopes the suffix index where that is per user.
+    tenant: str | None = None
 
 
 @dataclasses.dataclass

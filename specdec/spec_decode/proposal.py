@@ -22,6 +22,9 @@ class ProposeInput:
     # step); its guess is not used. `catchup`: the tokens of it the draft had not seen.
     catchup_only: bool = False
     catchup: int = 0
+    # Who sent the request (the OpenAI `user` field): the suffix index's scope when it is
+    # scoped per user (suffix.py); None: nobody named.
+    tenant: str | None = None
 
 
 @dataclasses.dataclass

@@ -17,9 +17,17 @@ entries overwrite old ones, so old requests fade on their own.
 Exact regardless: a guess is a one-hot proposal under the rejection rule, so what the
 index holds (another request's text, a hash collision) changes how many tokens a round
 keeps, never which tokens come out.
+
+Scoped (`scope: user`), each tenant (the OpenAI `user` field) has the table to itself in
+effect: its n-gram hashes are salted with a hash of its name, so a lookup for one tenant
+never matches what another fed (it would take a 64-bit hash collision, and even that
+would only cost speed). A request that names no tenant guesses from its own context only.
+Tenants share the table's memory, so the bound stays the same.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import numpy as np
 
@@ -30,6 +38,13 @@ _P = np.uint64(0x9E3779B97F4A7C15)  # an odd multiplier: the polynomial hash's b
 # A match this long is trusted after one occurrence (shorter ones need min_count), and is
 # what free guesses for plainly decoding rows require.
 SURE_N = 4
+
+
+def tenant_salt(tenant: str) -> int:
+    """A tenant's salt for the index's n-gram hashes (nonzero, stable across processes:
+    not Python's randomized hash())."""
+    digest = hashlib.blake2b(tenant.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
 
 
 def ngram_hashes(tokens: np.ndarray, n: int) -> np.ndarray:
@@ -66,9 +81,10 @@ class SuffixIndex:
         self.count[:] = 0
         self.fed_tokens = 0
 
-    def feed(self, tokens, start: int = 0) -> None:
+    def feed(self, tokens, start: int = 0, salt: int = 0) -> None:
         """Learn the tokens at positions >= start of a sequence (its earlier tokens were fed
-        before): every n-gram ending before such a token now predicts it."""
+        before): every n-gram ending before such a token now predicts it. `salt`: the
+        tenant's (0: the replica's shared scope)."""
         arr = np.asarray(tokens, dtype=np.int64)
         start = max(start, 1)
         if start >= len(arr):
@@ -79,7 +95,7 @@ class SuffixIndex:
             window = arr[first:len(arr) - 1]
             if len(window) < n:
                 continue
-            h = ngram_hashes(window, n)
+            h = ngram_hashes(window, n) ^ np.uint64(salt)
             h[h == 0] = 1                    # 0 marks an empty slot
             follow = arr[first + n:]
             slots = (h & np.uint64(self.mask)).astype(np.int64)
@@ -92,7 +108,7 @@ class SuffixIndex:
             self.count[slots] = counts
 
     def lookup(self, context, k: int, spec_factor: float = 2.0, min_count: int = 1,
-               sure_n: int = SURE_N) -> tuple[list[int], int]:
+               sure_n: int = SURE_N, salt: int = 0) -> tuple[list[int], int]:
         """Up to k guesses chained from the longest n-gram of the context's tail that the
         index knows, and that n (0: none)."""
         if k <= 0:
@@ -100,16 +116,16 @@ class SuffixIndex:
         tail = [int(t) for t in np.asarray(context, dtype=np.int64)[-self.max_n:]]
         for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
             guesses = self._chain(tail, n, min(k, max(1, int(spec_factor * n))), min_count,
-                                  sure_n)
+                                  sure_n, salt)
             if guesses:
                 return guesses, n
         return [], 0
 
     def _chain(self, tail: list[int], n: int, limit: int, min_count: int,
-               sure_n: int) -> list[int]:
+               sure_n: int, salt: int) -> list[int]:
         seq, out = list(tail), []
         while len(out) < limit:
-            h = int(ngram_hashes(np.asarray(seq[-n:], dtype=np.int64), n)[0]) or 1
+            h = (int(ngram_hashes(np.asarray(seq[-n:], dtype=np.int64), n)[0]) ^ salt) or 1
             slot = h & self.mask
             if int(self.keys[slot]) != h:
                 break
@@ -129,10 +145,13 @@ class SuffixProposer(NgramProposer):
 
     def __init__(self, min_n: int = 2, max_n: int = 8, bits: int = 20,
                  spec_factor: float = 2.0, min_count: int = 2, shared: bool = True,
-                 plain_rows_k: int = 0) -> None:
+                 plain_rows_k: int = 0, scope: str = "replica") -> None:
         super().__init__(min_n, max_n)
+        if scope not in ("replica", "user"):
+            raise ValueError(f"suffix scope must be 'replica' or 'user', not {scope!r}")
         self.index = SuffixIndex(min_n, max_n, bits)
         self.spec_factor, self.min_count, self.shared = spec_factor, min_count, shared
+        self.scope = scope
         self.plain_rows_k = plain_rows_k  # free guesses a plainly decoding row may verify
         self._fed: dict[str, tuple[list[int], int]] = {}  # seq -> (context, tokens fed)
         self.stats = {"proposals": 0, "from_index": 0, "from_context": 0, "guesses": 0,
@@ -141,9 +160,18 @@ class SuffixProposer(NgramProposer):
     def propose(self, inputs: list[ProposeInput]) -> list[Proposal]:
         out = []
         for i in inputs:
-            self._remember(i.seq_id, i.context)
-            out.append(Proposal(self.guess(i.context, i.k)))
+            self._remember(i.seq_id, i.context, i.tenant)
+            out.append(Proposal(self.guess(i.context, i.k, i.tenant)))
         return out
+
+    def _salt(self, tenant: str | None) -> int | None:
+        """The index scope a request reads and feeds: 0 the replica's, a tenant's salt, or
+        None (no index: the request's own context only)."""
+        if not self.shared:
+            return None
+        if self.scope == "replica":
+            return 0
+        return tenant_salt(tenant) if tenant else None
 
     def propose_confident(self, inputs: list[ProposeInput]) -> list[Proposal]:
         """Guesses only from a match of at least SURE_N tokens, for rows that decode
@@ -151,21 +179,24 @@ class SuffixProposer(NgramProposer):
         (cheap: no pass over the context), or from the context alone when not shared."""
         out = []
         for i in inputs:
-            self._remember(i.seq_id, i.context)
-            if self.shared:
+            self._remember(i.seq_id, i.context, i.tenant)
+            salt = self._salt(i.tenant)
+            if salt is not None:
                 guesses, n = self.index.lookup(i.context, i.k, self.spec_factor,
-                                               self.min_count)
+                                               self.min_count, salt=salt)
             else:
                 guesses, n = self._own(i.context, i.k)
             out.append(Proposal(guesses if n >= SURE_N else []))
             self.stats["free_guesses"] += len(out[-1].token_ids)
         return out
 
-    def guess(self, context: list[int], k: int) -> list[int]:
+    def guess(self, context: list[int], k: int, tenant: str | None = None) -> list[int]:
         self.stats["proposals"] += 1
         own, own_n = self._own(context, k)
-        shared, shared_n = (self.index.lookup(context, k, self.spec_factor, self.min_count)
-                            if self.shared else ([], 0))
+        salt = self._salt(tenant)
+        shared, shared_n = (self.index.lookup(context, k, self.spec_factor, self.min_count,
+                                              salt=salt)
+                            if salt is not None else ([], 0))
         if shared_n > own_n or (shared_n == own_n and len(shared) > len(own)):
             self.stats["from_index"] += bool(shared)
             best = shared
@@ -188,22 +219,23 @@ class SuffixProposer(NgramProposer):
                 return arr[s + n: s + n + limit].tolist(), n
         return [], 0
 
-    def _remember(self, seq_id: str, context: list[int]) -> None:
+    def _remember(self, seq_id: str, context: list[int], tenant: str | None = None) -> None:
         """Feed the index what the sequence added since it was last seen (a running
-        request's context only grows by tokens the target kept)."""
-        if not self.shared:
+        request's context only grows by tokens the target kept), in the request's scope."""
+        salt = self._salt(tenant)
+        if salt is None:
             return
         old, fed = self._fed.get(seq_id, ([], 0))
         keep = min(fed, len(context))
         if keep and (len(old) < keep or old[keep - 1] != context[keep - 1]):
             keep = 0  # rewritten (never expected): feed it again whole
-        self.index.feed(context, keep)
+        self.index.feed(context, keep, salt)
         self._fed[seq_id] = (context, len(context))
 
-    def observe(self, seq_id: str, tokens: list[int]) -> None:
+    def observe(self, seq_id: str, tokens: list[int], tenant: str | None = None) -> None:
         """A finished request's prompt and output, whatever method served it: the index
-        learns what it has not yet (a plain request's whole text)."""
-        self._remember(seq_id, list(tokens))
+        learns what it has not yet (a plain request's whole text), in its tenant's scope."""
+        self._remember(seq_id, list(tokens), tenant)
 
     def release(self, seq_id: str) -> None:
         self._fed.pop(seq_id, None)

@@ -37,7 +37,10 @@ def app_args(smollm2_path) -> dict:
     return {"model_name": MODEL, "target": dict(shard, tp=1), "draft": dict(shard),
             "runtime": {"max_slots": 8, "max_len": 512, "gloo_socket_ifname": "lo"},
             "max_waiting": 16, "default_max_tokens": 32, "replica_cpus": 0.1,
-            "ingress_cpus": 0.1}
+            "ingress_cpus": 0.1,
+            # The suffix index scoped per tenant (the OpenAI `user` field), as a deployment
+            # serving several would set it.
+            "suffix": {"scope": "user"}}
 
 
 @pytest.fixture(scope="module")
@@ -323,17 +326,22 @@ def test_a_seeded_request_gives_the_same_tokens_every_time(server):
 
 
 def test_a_second_similar_request_speculates_from_the_first_ones_output(server):
-    """Suffix speculation: a reply, once given, is guessed for the next request that asks
-    for it (here the same prompt) from the replica's index, token-identical to plain."""
+    """Suffix speculation: a reply, once given, is guessed for the next request of the same
+    user that asks for it (here the same prompt) from the replica's index, token-identical
+    to plain; another user's identical request is not guessed from it (scope: user)."""
     client, _ = server
     body = {"prompt": "List the planets of the solar system in order:", "max_tokens": 40,
             "temperature": 0, "ignore_eos": True}
-    first = complete(client, **body, speculative={"mode": "off"}).json()
-    again = complete(client, **body, speculative={"mode": "on", "method": "suffix",
-                                                  "k": 6}).json()
-    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    suffix = {"mode": "on", "method": "suffix", "k": 6}
+    first = complete(client, **body, user="alice", speculative={"mode": "off"}).json()
+    bob = complete(client, **body, user="bob", speculative=suffix).json()
+    again = complete(client, **body, user="alice", speculative=suffix).json()
+    assert again["choices"][0]["text"] == bob["choices"][0]["text"] == \
+        first["choices"][0]["text"]
     sd = again["spec_decode"]
     assert sd["method"] == "suffix" and sd["accepted"] >= 20, sd
+    # Bob's guesses come from his own context only: far fewer kept.
+    assert bob["spec_decode"]["accepted"] < sd["accepted"] / 2, (bob["spec_decode"], sd)
     time.sleep(HEALTH_TTL_S + 0.1)
     suffix = client.get("/health").json()["engine"]["suffix"]
     assert suffix["from_index"] >= 1 and suffix["indexed_tokens"] > 40, suffix
@@ -434,13 +442,13 @@ def test_lost_target_gives_503_then_serves_again(server):
 def test_decisions_and_acceptance_reach_prometheus(server, metrics_port):
     client, _ = server
     on = complete(client, prompt="def add(a, b):", max_tokens=24, temperature=0,
-                  speculative={"mode": "on", "method": "draft", "k": 3}).json()
+                  speculative={"mode": "on", "method": "draft", "k": 3}, user="ops").json()
     off = complete(client, prompt="def add(a, b):", max_tokens=24, temperature=0,
-                   speculative={"mode": "off"}).json()
+                   speculative={"mode": "off"}, user="ops").json()
     assert on["spec_decode"]["accepted"] > 0 and off["spec_decode"]["rounds"] == 0
     # The reply is in the suffix index now: asked again, it is guessed from there.
     sx = complete(client, prompt="def add(a, b):", max_tokens=24, temperature=0,
-                  speculative={"mode": "on", "method": "suffix", "k": 6}).json()
+                  speculative={"mode": "on", "method": "suffix", "k": 6}, user="ops").json()
     assert sx["spec_decode"]["accepted"] > 0
 
     # Series reach the export port about a second late: wait for all of them.

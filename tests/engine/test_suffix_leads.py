@@ -122,3 +122,25 @@ def test_the_overlap_chooser_sees_steps_the_index_led(tiny_llama, tiny_llama_far
     drafted = sum(1 for r in steps if r.draft_rows)
     assert engine.totals["suffix"].rounds > 0 and not any(r.overlapped for r in steps)
     assert observed > drafted, (observed, drafted)
+
+
+def test_scoped_per_user_another_tenants_repeat_is_drafted_and_says_the_same(
+        tiny_llama, tiny_llama_far_draft):
+    prompt = random_prompts((12,), seed=44)[0]
+    expected = plain_reference(tiny_llama, [prompt], 40)[0]
+    engine = make_engine(tiny_llama, tiny_llama_far_draft, slots=8, config=BIG_QUEUE,
+                         suffix=SuffixProposer(min_count=1, plain_rows_k=6, scope="user"))
+    engine.choose_k = lambda eng, req, spec, running, **_: 2
+
+    def ask(rid, tenant):
+        req = dataclasses.replace(Request(rid, prompt, greedy(40), "draft", 2), tenant=tenant)
+        return engine.run([req])[rid]
+
+    first = ask("first", "alice")
+    bob = ask("bob", "bob")
+    alice = ask("alice", "alice")
+    assert first.token_ids == bob.token_ids == alice.token_ids == expected
+    # Bob's request never sees Alice's answer: no more free guesses than her first had
+    # (its own context only), drafted as hers was; her own repeat is guessed from the index.
+    assert bob.free_accepted <= first.free_accepted + 2, (bob, first)
+    assert alice.free_accepted >= 20 and alice.spec.rounds < bob.spec.rounds / 2, (alice, bob)
