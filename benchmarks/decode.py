@@ -30,7 +30,7 @@ from specdec.progress import Progress
 def hf_dtype_name(args) -> str:
     """transformers has no "auto" of ours (packed fp16 weights on CPUs without bf16): it runs
     in bf16 on a GPU and in fp32 on a CPU, its faster CPU dtype on machines without native
-    bf16 (README, bench served)."""
+    bf16 (benchmarks/RESULTS.md, "Against transformers")."""
     if args.dtype != "auto":
         return args.dtype
     return "bfloat16" if args.device != "cpu" else "float32"

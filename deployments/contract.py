@@ -4,7 +4,7 @@ The ingress validates the OpenAI request, tokenizes it and sends one `GenerateCa
 replica answers with a stream: first `Decided` (plain or speculative, and why) or
 `Refused` (nothing was started), then `Tokens` chunks, the last with finished=True. A
 request that fails after it started ends with a `Tokens` whose error_kind says why. The
-ingress turns each ErrorKind into its HTTP status in one table (router.py).
+ingress turns each ErrorKind into its HTTP status in one table (responses.py).
 """
 
 from __future__ import annotations

@@ -110,9 +110,10 @@ class Load:
     prefill_tokens: float = 0.0  # prompt tokens per step being prefilled alongside
     # Rows that stay plain whatever is decided (asked for plain, or too short to pay): they
     # draft nothing but wait for every verify, so a speculative batch's gain is diluted.
-    # The other rows all follow the one decision (specdec/policy/engine_policy.py): a batch of
-    # speculative and plain followers costs more than either pure batch (README, the
-    # concurrency sweep; benchmarks/mixed_batch.py), so the policy never makes one.
+    # The other rows all follow the one decision (specdec/policy/engine_policy.py): a batch
+    # of speculative and plain followers costs more than either pure batch
+    # (benchmarks/mixed_batch.py; benchmarks/RESULTS.md, "Mixed batches"), so the policy
+    # never makes one.
     pinned: int = 0
 
 
