@@ -118,7 +118,9 @@ class SuffixConfig(BaseModel):
         "Whose prompts and outputs a request's guesses may come from: `replica`, every "
         "request this replica served; `user`, only requests with the same OpenAI `user` "
         "field (a request without one: its own context only). Set it where tenants must "
-        "not see each other's text in each other's speed; memory stays the same."))
+        "not see each other's text in each other's speed; memory stays the same. Clients "
+        "set `user`: a gateway in front must set or overwrite it, and the prefix cache "
+        "still shares prompts across tenants (runtime.prefix_cache)."))
     min_n: int = Field(2, ge=1, description="Shortest n-gram matched.")
     max_n: int = Field(8, ge=1, le=32, description="Longest n-gram matched.")
     table_bits: int = Field(20, ge=8, le=26, description=(

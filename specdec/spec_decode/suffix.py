@@ -19,15 +19,17 @@ index holds (another request's text, a hash collision) changes how many tokens a
 keeps, never which tokens come out.
 
 Scoped (`scope: user`), each tenant (the OpenAI `user` field) has the table to itself in
-effect: its n-gram hashes are salted with a hash of its name, so a lookup for one tenant
-never matches what another fed (it would take a 64-bit hash collision, and even that
-would only cost speed). A request that names no tenant guesses from its own context only.
-Tenants share the table's memory, so the bound stays the same.
+effect: its n-gram hashes are salted with a keyed hash of its name (the key a secret of the
+replica's), so a lookup for one tenant never matches what another fed (it would take a
+64-bit hash collision, and even that would only cost speed). A request that names no
+tenant guesses from its own context only. Tenants share the table's memory, so the bound
+stays the same, and one tenant's traffic can evict another's entries (speed, not text).
 """
 
 from __future__ import annotations
 
 import hashlib
+import secrets
 
 import numpy as np
 
@@ -40,10 +42,10 @@ _P = np.uint64(0x9E3779B97F4A7C15)  # an odd multiplier: the polynomial hash's b
 SURE_N = 4
 
 
-def tenant_salt(tenant: str) -> int:
-    """A tenant's salt for the index's n-gram hashes (nonzero, stable across processes:
-    not Python's randomized hash())."""
-    digest = hashlib.blake2b(tenant.encode(), digest_size=8).digest()
+def tenant_salt(tenant: str, key: bytes) -> int:
+    """A tenant's salt for the index's n-gram hashes (nonzero), keyed by the replica's
+    secret: knowing another tenant's name does not tell where its entries lie."""
+    digest = hashlib.blake2b(tenant.encode(), digest_size=8, key=key).digest()
     return int.from_bytes(digest, "little") or 1
 
 
@@ -152,6 +154,7 @@ class SuffixProposer(NgramProposer):
         self.index = SuffixIndex(min_n, max_n, bits)
         self.spec_factor, self.min_count, self.shared = spec_factor, min_count, shared
         self.scope = scope
+        self._salt_key = secrets.token_bytes(16)  # this replica's; the index is its own
         self.plain_rows_k = plain_rows_k  # free guesses a plainly decoding row may verify
         self._fed: dict[str, tuple[list[int], int]] = {}  # seq -> (context, tokens fed)
         self.stats = {"proposals": 0, "from_index": 0, "from_context": 0, "guesses": 0,
@@ -171,7 +174,7 @@ class SuffixProposer(NgramProposer):
             return None
         if self.scope == "replica":
             return 0
-        return tenant_salt(tenant) if tenant else None
+        return tenant_salt(tenant, self._salt_key) if tenant else None
 
     def propose_confident(self, inputs: list[ProposeInput]) -> list[Proposal]:
         """Guesses only from a match of at least SURE_N tokens, for rows that decode
