@@ -58,6 +58,9 @@ class Report:
     samples: list[dict]   # t, replicas running/starting, nodes by type, in flight
     events: dict[str, float]  # what happened when (s since the cluster started)
     min_nodes: dict[str, int]
+    # The drain began between these two polls of Serve's status (s since the cluster
+    # started, unrounded): the last that saw two replicas serving, the first that did not.
+    drain_window: tuple[float, float] | None = None
     # What the dashboard showed once both replicas served ({} without Prometheus).
     dashboard: dict = dataclasses.field(default_factory=dict)
 
@@ -137,14 +140,17 @@ def run(clients: int = 6, max_tokens: int = 48, load_s: float = 150.0, idle_s: f
 
     scaling = scaling or Scaling()
     models = Path(tempfile.mkdtemp(prefix="sdfake-models-"))
-    target = make_tiny_checkpoint(models / "target", "llama")
+    target = make_tiny_checkpoint(models / "target", "llama",
+                                  max_position_embeddings=max(256, scaling.max_len))
     draft = make_perturbed_copy(target, models / "draft", 0.05, 1)
     args = app_args(load_gpu_config(), target, draft, scaling=scaling)
     prom = Prometheus(free_port()) if shutil.which("prometheus") else None
     if prom is None:
         log("prometheus is not installed (`make prometheus`): the dashboard is not checked")
-    with FakeCluster(scaling=scaling) as cluster, prom or contextlib.nullcontext():
+    # Prometheus first: its port is taken before Ray's processes start taking ports.
+    with prom or contextlib.nullcontext(), FakeCluster(scaling=scaling) as cluster:
         dashboard: dict = {}
+        drain_window = None
         t0 = time.monotonic()
         rec, samples, events = _Recorder(t0), [], {}
         stop_sampling, stop = threading.Event(), threading.Event()
@@ -232,25 +238,31 @@ def run(clients: int = 6, max_tokens: int = 48, load_s: float = 150.0, idle_s: f
                     dashboard = dashboard_view(prom)
             stamp("load over")
             stop.clear()
-            # Two clients (one replica's target) keep a long request in flight while the
-            # extra replica drains: its last one is answered by it as it goes.
-            workers = [threading.Thread(target=client, args=("idle", 0.05), daemon=True)
+            # Two clients (one replica's target) keep a long request in flight, each
+            # sending the next as the last returns, while the extra replica drains: its
+            # last one is answered by it as it goes.
+            workers = [threading.Thread(target=client, args=("idle", 0.0), daemon=True)
                        for _ in range(2)]
             for w in workers:
                 w.start()
             deadline = time.monotonic() + idle_s
+            serving_seen = time.monotonic() - t0  # the last poll that saw both serving
             while time.monotonic() < deadline:
+                polled = time.monotonic() - t0
                 reps = _engine_replicas()
-                if (reps.get("stopping") or reps.get("running", 0) < 2) and \
-                        "drain began" not in events:
-                    stamp("drain began")
+                if "drain began" not in events and reps:  # {}: status unknown this poll
+                    if reps.get("stopping") or reps.get("running", 0) < 2:
+                        drain_window = (serving_seen, polled)
+                        stamp("drain began")
+                    else:
+                        serving_seen = polled
                 if reps.get("running", 0) == 1 and not reps.get("stopping") and \
                         "back to one replica" not in events:
                     stamp("back to one replica")
                 if "back to one replica" in events and cluster.nodes() == min_nodes:
                     stamp(f"nodes back to the minimum ({min_nodes})")
                     break
-                time.sleep(0.1 if "drain began" not in events else 0.5)
+                time.sleep(0.05 if "drain began" not in events else 0.5)
             stop.set()
             for w in workers:
                 w.join(timeout=180)
@@ -262,7 +274,7 @@ def run(clients: int = 6, max_tokens: int = 48, load_s: float = 150.0, idle_s: f
             take_sample()  # the state at the end, after the last event
             serve.shutdown()
     shutil.rmtree(models, ignore_errors=True)
-    return Report(rec.calls, samples, events, min_nodes, dashboard)
+    return Report(rec.calls, samples, events, min_nodes, drain_window, dashboard)
 
 
 def changes(report: Report) -> list[dict]:
@@ -281,17 +293,19 @@ def changes(report: Report) -> list[dict]:
 
 def served_through_drain(report: Report) -> tuple[str | None, int]:
     """The replica that went away, and how many of its requests were in flight when it
-    began to drain (sent before, answered after) and were answered 200."""
+    began to drain and were answered 200: sent before the last poll that saw it serving,
+    answered after the first that saw it draining (so in flight whenever in between the
+    drain began)."""
     ok = sorted((c for c in report.calls if c.status == 200 and c.replica),
                 key=lambda c: c.done)
     if not ok:
         return None, 0
     staying = ok[-1].replica
     gone = next((r for r in report.replicas_serving() if r != staying), None)
-    drain = report.events.get("drain began")
-    if gone is None or drain is None:
+    if gone is None or report.drain_window is None:
         return gone, 0
-    return gone, sum(c.replica == gone and c.sent <= drain <= c.done for c in ok)
+    before, seen = report.drain_window
+    return gone, sum(c.replica == gone and c.sent <= before and c.done >= seen for c in ok)
 
 
 def first_speculation_after_first_serve(report: Report) -> dict[str, float]:
@@ -371,7 +385,7 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "events": report.events, "counts": report.counts(), "samples": report.samples,
-            "dashboard": report.dashboard,
+            "dashboard": report.dashboard, "drain_window": report.drain_window,
             "calls": [dataclasses.asdict(c) for c in report.calls]}, indent=1))
     return 0
 

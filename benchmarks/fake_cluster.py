@@ -28,11 +28,12 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 
 import yaml
+
+from specdec.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_YAML = ROOT / "cluster" / "ray-cluster.yaml"
@@ -117,12 +118,6 @@ def app_args(serve_config: dict, target: Path, draft: Path, model_name: str = "t
     return args
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class FakeCluster:
     """A head of our own with the autoscaler, on its own ports and temp dir; the driver
     connected. Use as a context manager."""
@@ -147,7 +142,7 @@ class FakeCluster:
                            ("RAY_TMPDIR", self.tmp)):  # even Ray's address file stays ours
             self._saved_env[key] = os.environ.get(key)
             os.environ[key] = value
-        port = _free_port()
+        port = free_port()
         config = autoscaler_config(self.cluster, f"{services.get_node_ip_address()}:{port}",
                                    self.scaling)
         path = Path(self.tmp) / "autoscaler.json"
@@ -157,7 +152,7 @@ class FakeCluster:
             self._head = Cluster(initialize_head=True, head_node_args={
                 "num_cpus": self.scaling.head_cpus, "gcs_server_port": port,
                 "temp_dir": str(Path(self.tmp) / "ray"), "include_dashboard": False,
-                "dashboard_port": _free_port(), "dashboard_agent_listen_port": 0,
+                "dashboard_port": free_port(), "dashboard_agent_listen_port": 0,
                 "autoscaling_config": str(path)})
             ray.init(address=self._head.address,
                      runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}})

@@ -12,6 +12,7 @@ import json
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -42,11 +43,27 @@ class Prometheus:
         job["file_sd_configs"] = [{"files": [str(self.targets_file)], "refresh_interval": "1s"}]
         self.set_targets([])
         (self.tmp / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+        self._log = open(self.tmp / "prometheus.log", "wb")  # noqa: SIM115 (closed on exit)
         self._proc = subprocess.Popen(
             [binary, f"--config.file={self.tmp / 'prometheus.yml'}",
              f"--storage.tsdb.path={self.tmp / 'data'}",
              f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=self._log)
+        deadline = time.monotonic() + 60
+        while True:  # ready, or say why not (a port taken, a bad config)
+            if self._proc.poll() is not None:
+                err = (self.tmp / "prometheus.log").read_text(errors="replace")[-2000:]
+                self.__exit__()
+                raise RuntimeError(f"prometheus exited with {self._proc.returncode}: {err}")
+            try:
+                if httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.__exit__()
+                raise TimeoutError(f"prometheus not ready at {self.url} in 60 s")
+            time.sleep(0.2)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -57,6 +74,7 @@ class Prometheus:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+            self._log.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def set_targets(self, addresses: list[str]) -> None:

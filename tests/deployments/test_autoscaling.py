@@ -22,8 +22,10 @@ CLUSTER = yaml.safe_load(CLUSTER_YAML.read_text())
 
 def test_scale_up_under_load_and_back_down_when_idle_losing_nothing():
     # 40x faster than deployed: upscale 0.75 s, downscale 7.5 s, node idle timeout 15 s.
+    # Idle requests of 736 tokens (max_len 768): long enough that one is in flight on the
+    # extra replica when it begins to drain, whatever the poll's 0.05 s resolution.
     report = run(clients=6, max_tokens=32, load_s=150, idle_s=180,
-                 scaling=Scaling(time_scale=40))
+                 scaling=Scaling(time_scale=40, max_len=768))
     ev = report.events
     for name in ("second replica running", "both replicas serving", "back to one replica"):
         assert name in ev, (name, ev)
@@ -52,12 +54,11 @@ def test_scale_up_under_load_and_back_down_when_idle_losing_nothing():
     # Prometheus (cluster/prometheus.yml, following the nodes) and the committed dashboard
     # show both replicas: its replica variable, every batch panel series, tokens by replica
     # (the metric's replica tag is the one the responses name).
-    both = sorted(serving)
     dash = report.dashboard
-    assert dash["replica_variable"] == both, (dash, both)
-    assert all(replicas == both for replicas in dash["batch_panel"]), dash
-    assert sorted(dash["tokens_by_replica"]) == both, dash
-    assert all(v > 0 for v in dash["tokens_by_replica"].values()), dash
+    assert dash, "Prometheus never answered the dashboard's queries"
+    assert set(serving) <= set(dash["replica_variable"]), (dash, serving)
+    assert all(set(serving) <= set(replicas) for replicas in dash["batch_panel"]), dash
+    assert all(dash["tokens_by_replica"].get(r, 0) > 0 for r in serving), dash
     # A second serving replica within node start + model load (the first replica's, up to
     # ready) + 30 s of the load beginning.
     ready = next(v for k, v in ev.items() if k.startswith("ready"))
