@@ -89,16 +89,21 @@ class Prometheus:
         return sum(t["health"] == "up" for t in r["data"]["activeTargets"])
 
     def query(self, expr: str) -> list:
-        r = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=30)
-        body = r.json()
-        if r.status_code != 200 or body.get("status") != "success":
-            raise ValueError(f"Prometheus refused {expr!r}: {body}")
-        return body["data"]["result"]
+        return query(self.url, expr)
 
     def label_values(self, metric: str, label: str) -> list[str]:
         """What Grafana's `label_values(metric, label)` variable query lists."""
         r = httpx.get(f"{self.url}/api/v1/series", params={"match[]": metric}, timeout=30)
         return sorted({s[label] for s in r.json()["data"] if label in s})
+
+
+def query(url: str, expr: str) -> list:
+    """An instant query's result (a list of series) from the Prometheus at url."""
+    r = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=30)
+    body = r.json()
+    if r.status_code != 200 or body.get("status") != "success":
+        raise ValueError(f"Prometheus refused {expr!r}: {body}")
+    return body["data"]["result"]
 
 
 def dashboard() -> dict:

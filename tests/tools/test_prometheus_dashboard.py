@@ -18,6 +18,7 @@ import ray
 import yaml
 from serve_helpers import env, serve_app, tiny_app_args
 
+from benchmarks.prometheus import instantiate, query
 from deployments.launch import local_ray
 from specdec.ports import free_port
 
@@ -52,19 +53,6 @@ def stack(tiny_llama, tiny_llama_draft, tmp_path_factory):
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-
-
-def query(prom: str, expr: str) -> list:
-    r = httpx.get(f"{prom}/api/v1/query", params={"query": expr}, timeout=30)
-    body = r.json()
-    assert r.status_code == 200 and body["status"] == "success", (expr, body)
-    return body["data"]["result"]
-
-
-def instantiate(expr: str) -> str:
-    """The dashboard's variables as Grafana fills them when All is selected."""
-    return expr.replace("$application", ".*").replace("$replica", ".*") \
-        .replace("$__rate_interval", "2m")
 
 
 def test_every_panel_returns_data_and_acceptance_agrees_with_responses(stack):
