@@ -13,6 +13,12 @@ holds MIN_MATCH tokens of it, or where the holder's queue is longer than the lea
 replica's by more than `imbalance`, it falls back to power of two choices. The holder is
 offered first; Serve moves on to the fallback pair when the holder's queue is full.
 
+A queue's length is the larger of Serve's cached figure and this router's own count of the
+requests it sent there that have not finished, counted from the moment it chooses: Serve's
+figure is overwritten by each probe and each acceptance (a replica's count lags the requests
+on their way to it), so a burst routed within a few milliseconds all read the same short
+queue and all went to the holder.
+
 Each ingress replica routes with what it has seen: with several ingress replicas, a
 conversation whose turns reach different ones starts over on a replica chosen by load.
 """
@@ -50,6 +56,8 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
         self._seen: dict = collections.defaultdict(
             lambda: collections.deque(maxlen=self._remembered))
         self.affinity_hits = 0  # requests sent to the replica holding their prefix
+        # internal request id -> replica it was sent (or is about to be sent) to, until done
+        self._in_flight: dict[str, object] = {}
 
     def holder(self, ids: np.ndarray, candidates) -> tuple[object, int] | None:
         """The candidate that was sent the longest prefix of ids, and its length."""
@@ -61,14 +69,21 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
                     best, length = r, n
         return None if best is None else (best, length)
 
-    async def _too_busy(self, replica, candidates) -> bool:
-        """Whether the holder's queue is longer than the least loaded replica's by more than
-        `imbalance` (queue lengths from Serve's cache, probed where it has none)."""
+    def queue_lengths(self, candidates) -> dict:
+        """Per candidate, the larger of Serve's cached queue length and the requests this
+        router sent there that have not finished (None where neither is known)."""
+        sent = collections.Counter(self._in_flight.values())
         cache = self._replica_queue_len_cache
-        unknown = [r for r in candidates if cache.get(r.replica_id) is None]
-        if unknown:
-            await self._probe_queue_lens(unknown, 0)
-        queues = {r.replica_id: cache.get(r.replica_id) for r in candidates}
+        out = {}
+        for r in candidates:
+            known = [q for q in (cache.get(r.replica_id), sent.get(r.replica_id)) if q]
+            out[r.replica_id] = max(known) if known else cache.get(r.replica_id)
+        return out
+
+    def too_busy(self, replica, candidates) -> bool:
+        """Whether the holder's queue is longer than the least loaded replica's by more than
+        `imbalance`."""
+        queues = self.queue_lengths(candidates)
         mine = queues.get(replica.replica_id)
         known = [q for q in queues.values() if q is not None]
         if mine is None or not known:
@@ -81,18 +96,38 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
         if ids is None or not fallback:
             return fallback
         found = self.holder(ids, candidate_replicas)
-        if found is None or await self._too_busy(found[0], candidate_replicas):
+        if found is None:
+            return fallback
+        cache = self._replica_queue_len_cache
+        unknown = [r for r in candidate_replicas if cache.get(r.replica_id) is None]
+        if unknown:
+            await self._probe_queue_lens(unknown, 0)
+        # From here to the return nothing awaits: the check and the count it leaves for the
+        # next request routed in the same burst are one step.
+        if self.too_busy(found[0], candidate_replicas):
             return fallback
         self.affinity_hits += 1
+        self._in_flight[_request_id(pending_request)] = found[0].replica_id
         return [[found[0]], *fallback]
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
+        self._in_flight[_request_id(pending_request)] = replica_id  # where it really went
         ids = prompt_ids_of(pending_request)
         if ids is not None and len(ids) >= self._min_match:
             self._seen[replica_id].append(ids)
+
+    def on_request_completed(self, replica_id, internal_request_id) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        # Also called for a request the holder refused: Serve routes it again.
+        self._in_flight.pop(internal_request_id, None)
 
     def update_replicas(self, replicas) -> None:
         super().update_replicas(replicas)
         live = {r.replica_id for r in replicas}
         for gone in [rid for rid in self._seen if rid not in live]:
             del self._seen[gone]  # its cache went with it
+        self._in_flight = {k: v for k, v in self._in_flight.items() if v in live}
+
+
+def _request_id(pending_request) -> str:
+    return pending_request.metadata.internal_request_id

@@ -11,6 +11,7 @@ import types
 import httpx
 import numpy as np
 import pytest
+from ray.serve._private.request_router.common import ReplicaQueueLengthCache
 from serve_helpers import serve_app, tiny_app_args
 
 from deployments.launch import local_ray
@@ -23,8 +24,9 @@ def _router(**kw) -> PrefixAffinityRouter:
     return router
 
 
-def _request(ids):
-    return types.SimpleNamespace(args=(types.SimpleNamespace(prompt_ids=ids),))
+def _request(ids, rid="r"):
+    return types.SimpleNamespace(args=(types.SimpleNamespace(prompt_ids=ids),),
+                                 metadata=types.SimpleNamespace(internal_request_id=rid))
 
 
 def test_the_holder_is_the_replica_sent_the_longest_prefix():
@@ -39,6 +41,33 @@ def test_the_holder_is_the_replica_sent_the_longest_prefix():
         router.on_request_routed(_request([7] * 8 + [i]), "a", None)
     assert router.holder(np.arange(12), [a, b]) == (b, 6)
     assert prompt_ids_of(None) is None
+
+
+def test_a_burst_counts_toward_the_holders_queue_before_serve_hears_of_it():
+    """Serve's cached queue lengths are overwritten by probes and acceptances that lag the
+    requests on their way; the router's own count of what it sent keeps a burst from all
+    reading an empty queue."""
+    router = _router(imbalance=4)
+    router._replica_queue_len_cache = ReplicaQueueLengthCache()
+    a, b = (types.SimpleNamespace(replica_id=n) for n in ("a", "b"))
+    for r in (a, b):
+        router._replica_queue_len_cache.update(r.replica_id, 0)  # what a probe reported
+    sent = []
+    for i in range(5):
+        assert not router.too_busy(a, [a, b]), i
+        req = types.SimpleNamespace(args=(), metadata=types.SimpleNamespace(
+            internal_request_id=f"r{i}"))
+        router.on_request_routed(req, "a", None)
+        sent.append(req)
+    assert router.queue_lengths([a, b]) == {"a": 5, "b": 0}
+    assert router.too_busy(a, [a, b])
+    router._replica_queue_len_cache.update("b", 3)  # Serve knows of other ingresses' work
+    assert not router.too_busy(a, [a, b])
+    for req in sent[:3]:
+        router.on_request_completed("a", req.metadata.internal_request_id)
+    router._replica_queue_len_cache.update("b", 0)
+    assert router.queue_lengths([a, b]) == {"a": 2, "b": 0}
+    assert not router.too_busy(a, [a, b])
 
 
 
