@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install "$(TORCH_SPEC)"
 	URLLIB3_NO_OVERRIDE=1 $(PIP) install --no-binary urllib3-future -e '.[test]'
 	# The q4k kernel, built for this CPU now rather than in the first model actor (~15 s).
-	$(BIN)/python -c "from specdec.model import q4k; q4k.available() or print('q4k kernel: not built here; the int8 formats stand in')"
+	$(BIN)/python -c "from specdec.model.formats import q4k; q4k.available() or print('q4k kernel: not built here; the int8 formats stand in')"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -29,7 +29,7 @@ def _worker(config: str) -> None:
     try:  # the layered tree
         from specdec.engine.assemble import LocalBackend, assemble
         from specdec.engine.spec import EngineSpec
-        from specdec.model.sampling import SamplingParams
+        from specdec.model.step.sampling import SamplingParams
         from specdec.policy.engine_policy import Overrides
     except ImportError:  # the flat layout before the folders were layers (88fc271 and older)
         from specdec.assemble import LocalBackend, assemble

@@ -40,7 +40,7 @@ TURNS = [
     ("Here is a module of a project:\n```python\n{file:specdec/policy/cost_model.py}\n```\n"
      "What does expected_tokens_per_round compute, and why does a = 1 need its own case?"),
     "Write a unit test for it with pytest, covering k = 0, a = 0 and a = 1.",
-    ("Now this one:\n```python\n{file:specdec/model/kv_cache.py}\n```\nHow does a slot "
+    ("Now this one:\n```python\n{file:specdec/model/step/kv_cache.py}\n```\nHow does a slot "
      "roll back, and what keeps stale entries from being read?"),
     "Could two sequences ever share a slot? Answer in two sentences.",
     "Write a function that copies the first n positions of one slot into another.",
@@ -275,7 +275,7 @@ def _memory(args, target, draft, app_mem: dict) -> list[dict]:
 def main(args) -> int:
     from benchmarks.llama_peer import llama_bin
     from specdec.engine.spec import EngineSpec
-    from specdec.model.gguf_file import gguf_in
+    from specdec.model.checkpoint.gguf_file import gguf_in
 
     spec = EngineSpec.from_config_file(args.config)
     tok = load_tokenizer(hub.resolve(spec.target.model))

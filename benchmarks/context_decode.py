@@ -28,7 +28,7 @@ SOURCE = "specdec/policy/decide.py"
 
 
 def _ours(built, tok, depth: int, tokens: int, label: str) -> float:
-    from specdec.model.sampling import SamplingParams
+    from specdec.model.step.sampling import SamplingParams
     from specdec.policy.engine_policy import Overrides
 
     text = f"# {label}\n" + (ROOT / SOURCE).read_text() * 4
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     from benchmarks.llama_peer import llama_bin
     from specdec.engine.assemble import LocalBackend, assemble
     from specdec.engine.spec import EngineSpec
-    from specdec.model.gguf_file import gguf_in
+    from specdec.model.checkpoint.gguf_file import gguf_in
     from specdec.pack import hub
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -12,9 +12,9 @@ import time
 import torch
 
 from benchmarks.table import median, print_table, write_json
-from specdec.model.decoder import Decoder
-from specdec.model.generate import dtype_from_name, plain_generate
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.generate import dtype_from_name, plain_generate
+from specdec.model.step.sampling import SamplingParams
 from specdec.pack import hub
 from specdec.pack.tokenizer import load_tokenizer
 from specdec.progress import Progress

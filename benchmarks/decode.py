@@ -20,8 +20,8 @@ from benchmarks.table import median, print_table, write_json
 from specdec.engine.assemble import LocalBackend, assemble
 from specdec.engine.request import Request
 from specdec.engine.spec import DraftGroupConfig, EngineSpec, ModelGroupConfig, RuntimeConfig
-from specdec.model.generate import dtype_from_name
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.generate import dtype_from_name
+from specdec.model.step.sampling import SamplingParams
 from specdec.pack import hub
 from specdec.pack.tokenizer import prompt_ids
 from specdec.progress import Progress
@@ -116,9 +116,9 @@ def _our_rows(args, sets, progress) -> list[dict]:
 
 def measure_costs(args) -> dict:
     """c (draft step / target step) and v (verify of k+1 tokens / plain step), batch 1."""
-    from specdec.model.batch import BatchInput
-    from specdec.model.decoder import Decoder
-    from specdec.model.step_mode import with_step
+    from specdec.model.step.batch import BatchInput
+    from specdec.model.step.decoder import Decoder
+    from specdec.model.step.step_mode import with_step
 
     dtype = dtype_from_name(args.dtype)
     out = {}

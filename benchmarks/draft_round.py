@@ -1,5 +1,5 @@
 """A draft round's time: the eager proposer (k host-driven forwards) against the round as one
-loop over fixed buffers (specdec/model/draft_loop.py), run statically, through
+loop over fixed buffers (specdec/model/step/draft_loop.py), run statically, through
 torch.compile, or captured as CUDA graphs, for the config's draft in its configured format.
 
     .venv/bin/python -m benchmarks.draft_round [--rows 1 4] [--k 2 4] [--rounds 5]
@@ -25,8 +25,8 @@ import torch
 from benchmarks.static_step import _step_of, _sync
 from benchmarks.table import print_table
 from specdec.engine.spec import EngineSpec
-from specdec.model.decoder import Decoder
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.sampling import SamplingParams
 from specdec.pack import hub
 from specdec.progress import Progress
 from specdec.spec_decode.proposal import ProposeInput

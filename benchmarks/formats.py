@@ -20,17 +20,17 @@ from pathlib import Path
 import torch
 
 from benchmarks.table import median, print_table, write_json
-from specdec.model.batch import BatchInput
-from specdec.model.decoder import Decoder
-from specdec.model.embedding import table_bytes
-from specdec.model.generate import plain_generate
-from specdec.model.sampling import SamplingParams
+from specdec.model.formats.embedding import table_bytes
+from specdec.model.step.batch import BatchInput
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.generate import plain_generate
+from specdec.model.step.sampling import SamplingParams
 from specdec.pack.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root (benchmarks/..)
-SOURCES = ("specdec/spec_decode/rejection.py", "specdec/model/kv_cache.py", "specdec/policy/decide.py",
+SOURCES = ("specdec/spec_decode/rejection.py", "specdec/model/step/kv_cache.py", "specdec/policy/decide.py",
            "specdec/engine/stop.py", "deployments/ingress.py", "deployments/openai_api.py",
-           "specdec/spec_decode/proposers.py", "specdec/model/sampling.py")
+           "specdec/spec_decode/proposers.py", "specdec/model/step/sampling.py")
 TOP = 20
 
 
@@ -134,7 +134,7 @@ def _peer(gguf: Path, prompts, tokens: int, ref_model: Decoder, threads: int) ->
     bench = llama_bin("llama-bench")
     if bench is not None:
         row.update(_llama_bench(bench, gguf, threads))
-    from specdec.model.gguf_file import GGUFCheckpoint
+    from specdec.model.checkpoint.gguf_file import GGUFCheckpoint
 
     row["contender"] = "llama.cpp (its Q4_K x Q8_K dot products)"
     row["weights_GB"] = gguf.stat().st_size / 1e9
@@ -161,7 +161,7 @@ def _llama_bench(exe: Path, gguf: Path, threads: int) -> dict:
 
 
 def main(args) -> int:
-    from specdec.model.gguf_file import gguf_in
+    from specdec.model.checkpoint.gguf_file import gguf_in
     from specdec.pack import hub
 
     torch.set_num_threads(args.threads)

@@ -29,8 +29,8 @@ import torch
 
 from benchmarks.table import print_table
 from specdec.engine.spec import EngineSpec
-from specdec.model.batch import BatchInput
-from specdec.model.decoder import Decoder
+from specdec.model.step.batch import BatchInput
+from specdec.model.step.decoder import Decoder
 from specdec.pack import hub
 from specdec.progress import Progress
 

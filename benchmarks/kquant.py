@@ -19,15 +19,15 @@ import time
 import torch
 
 from benchmarks.table import print_table
-from specdec.model import q4k, q6k
-from specdec.model.gguf_file import GGUFCheckpoint
-from specdec.model.int8_linear import DynamicInt8Linear, RowInt8Linear
+from specdec.model.checkpoint.gguf_file import GGUFCheckpoint
+from specdec.model.formats import q4k, q6k
+from specdec.model.formats.int8_linear import DynamicInt8Linear, RowInt8Linear
 from specdec.pack import hub
 from specdec.progress import Progress
 
 
 def _contenders(ck: GGUFCheckpoint, name: str, blocks_cls, layers: list[str]) -> dict:
-    sources = [ck.q4k_source(n) for n in layers]
+    sources = [ck.stored_blocks(n) for n in layers]
     floats = [s.dequantize() for s in sources]
     return {
         f"{name} (ours)": [blocks_cls(s) for s in sources],

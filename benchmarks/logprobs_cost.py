@@ -24,7 +24,7 @@ PROMPTS = ["def quicksort(arr):\n", "class LRUCache:\n    def __init__(self, cap
 
 
 def _decode_tps(built, ids, label: str, mode: str, logprobs: int | None, tokens: int) -> float:
-    from specdec.model.sampling import SamplingParams
+    from specdec.model.step.sampling import SamplingParams
     from specdec.policy.engine_policy import Overrides
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True,

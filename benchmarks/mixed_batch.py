@@ -20,7 +20,7 @@ from benchmarks.prompts import PROMPT_SETS
 from specdec.engine.assemble import LocalBackend, assemble
 from specdec.engine.request import Request
 from specdec.engine.spec import DraftGroupConfig, EngineSpec, ModelGroupConfig, RuntimeConfig
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.sampling import SamplingParams
 from specdec.pack import hub
 from specdec.pack.tokenizer import load_tokenizer, prompt_ids
 

@@ -33,7 +33,7 @@ from specdec.pack.tokenizer import chat_ids, load_tokenizer
 from specdec.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
-EDIT_FILE = "specdec/model/kv_cache.py"  # 53 lines
+EDIT_FILE = "specdec/model/step/kv_cache.py"  # 53 lines
 EDIT = ("Here is a file of a project:\n```python\n{file}\n```\nReturn the whole file, every "
         "line of it, with the method `{old}` renamed to `{new}`. Only the "
         "code, no explanation.")
@@ -149,7 +149,7 @@ def summarize(rows: list[dict]) -> list[dict]:
 def main(args) -> int:
     from benchmarks.llama_peer import start_servers
     from specdec.engine.spec import EngineSpec
-    from specdec.model.gguf_file import gguf_in
+    from specdec.model.checkpoint.gguf_file import gguf_in
 
     spec = EngineSpec.from_config_file(args.config)
     tok = load_tokenizer(hub.resolve(spec.target.model))

@@ -211,7 +211,7 @@ def _peer(args):
         return
     from benchmarks.llama_peer import LlamaServer
     from specdec.engine.spec import EngineSpec
-    from specdec.model.gguf_file import gguf_in
+    from specdec.model.checkpoint.gguf_file import gguf_in
     from specdec.pack import hub
 
     target = gguf_in(hub.resolve(EngineSpec.from_config_file(args.config).target.model))

@@ -39,7 +39,7 @@ from deployments.launch import local_ray
 from specdec.engine.assemble import LocalBackend, assemble
 from specdec.engine.spec import EngineSpec
 from specdec.engine.timeline import timeline_summary
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.sampling import SamplingParams
 from specdec.pack import hub
 from specdec.pack.tokenizer import load_tokenizer, prompt_ids
 from specdec.policy.engine_policy import Overrides
@@ -103,7 +103,7 @@ def _hf_rows(args, spec, prompts, progress) -> list[dict]:
 
 def _peer_rows(args, spec, prompts, progress) -> list[dict]:
     from benchmarks.llama_peer import llama_bin, peer_rows
-    from specdec.model.gguf_file import gguf_in
+    from specdec.model.checkpoint.gguf_file import gguf_in
 
     target = gguf_in(hub.resolve(spec.target.model))
     draft = gguf_in(hub.resolve(spec.draft.model)) if spec.draft else None

@@ -1,5 +1,5 @@
 """Step times of the eager ragged forward against the static step (fixed buffers, padded
-buckets: specdec/model/static_step.py), run eagerly and through torch.compile, for the
+buckets: specdec/model/step/static_step.py), run eagerly and through torch.compile, for the
 config's target and draft in their configured formats.
 
     .venv/bin/python -m benchmarks.static_step [--rows 1 4] [--query 1 4] [--rounds 5]
@@ -26,9 +26,9 @@ import torch
 
 from benchmarks.table import print_table
 from specdec.engine.spec import EngineSpec
-from specdec.model.batch import BatchInput
-from specdec.model.decoder import Decoder
-from specdec.model.static_step import StaticDecoder
+from specdec.model.step.batch import BatchInput
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.static_step import StaticDecoder
 from specdec.pack import hub
 from specdec.progress import Progress
 
@@ -62,7 +62,7 @@ def _step_of(model: Decoder, mode: str):
         return model
     layout, compiled = MODES[mode]
     if compiled is None:
-        from specdec.model.cuda_graph import CapturedDecoder
+        from specdec.model.step.cuda_graph import CapturedDecoder
 
         return CapturedDecoder(model)
     return StaticDecoder(model, compile=compiled, layout=layout)

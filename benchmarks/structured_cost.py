@@ -52,8 +52,8 @@ SCHEMA = {"type": "object", "additionalProperties": False,
 
 
 def _ours(built, ids, label: str, mode: str, schema: bool, tokens: int) -> tuple[float, bool]:
-    from specdec.model.grammar import GrammarSpec
-    from specdec.model.sampling import SamplingParams
+    from specdec.model.step.grammar import GrammarSpec
+    from specdec.model.step.sampling import SamplingParams
     from specdec.policy.engine_policy import Overrides
 
     grammar = GrammarSpec("json_schema", json.dumps(SCHEMA)) if schema else None
@@ -107,7 +107,7 @@ def _row(name: str, without: list[float], with_schema: list[float], valid=None) 
 def main(argv=None) -> int:
     from specdec.engine.assemble import LocalBackend, assemble
     from specdec.engine.spec import EngineSpec
-    from specdec.model.gguf_file import gguf_in
+    from specdec.model.checkpoint.gguf_file import gguf_in
     from specdec.pack import hub
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -19,8 +19,8 @@ from deployments.actors.procinfo import rss_anon_mb
 from deployments.actors.target import RayTargetRunner
 from deployments.launch import local_ray
 from specdec.engine.spec import ModelGroupConfig, RuntimeConfig
-from specdec.model.decoder import Decoder
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.sampling import SamplingParams
 from specdec.pack.hub import resolve
 from specdec.progress import Progress
 from specdec.spec_decode.target_runner import LocalTargetRunner, TargetRow

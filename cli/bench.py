@@ -3,7 +3,7 @@ so the CLI starts without torch or Ray."""
 
 from __future__ import annotations
 
-# specdec.model.weight_format.FORMATS, spelled out: the CLI starts without importing torch.
+# specdec.model.formats.weight_format.FORMATS, spelled out: the CLI starts without importing torch.
 DTYPES = ["auto", "float32", "bfloat16", "float16", "int8", "w8a8", "int8-dynamic", "q4k", "int4"]
 
 

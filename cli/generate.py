@@ -15,7 +15,7 @@ import time
 from specdec.engine.assemble import LocalBackend, assemble
 from specdec.engine.request import Request
 from specdec.engine.spec import DraftGroupConfig, EngineSpec, ModelGroupConfig, RuntimeConfig
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.sampling import SamplingParams
 from specdec.pack.tokenizer import prompt_ids
 
 

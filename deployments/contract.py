@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from specdec.errors import ErrorKind
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.sampling import SamplingParams
 from specdec.policy.engine_policy import Overrides
 
 

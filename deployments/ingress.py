@@ -57,8 +57,8 @@ from deployments.responses import (
 )
 from deployments.startup import waiting_for
 from deployments.tool_calls import ToolPlan, ToolRequestError, tool_plan
-from specdec.model.grammar import GrammarSpec, grammar_error
-from specdec.model.sampling import MIN_TEMPERATURE, SamplingParams
+from specdec.model.step.grammar import GrammarSpec, grammar_error
+from specdec.model.step.sampling import MIN_TEMPERATURE, SamplingParams
 from specdec.pack.hub import resolve
 from specdec.pack.tokenizer import chat_ids, load_tokenizer
 from specdec.policy.engine_policy import Overrides

@@ -33,7 +33,7 @@ from pydantic import (
 
 from deployments.structured_output import ResponseFormat, StructuredOutputs, grammar_of
 from deployments.tool_calls import ToolCall, ToolChoice, ToolDef
-from specdec.model.sampling import (
+from specdec.model.step.sampling import (
     MAX_TOP_LOGPROBS,
     MIN_REPETITION_PENALTY,
     SEED_MAX,

@@ -31,7 +31,7 @@ import logging
 import numpy as np
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
-from specdec.model.prefix_cache import common_prefix
+from specdec.model.step.prefix_cache import common_prefix
 
 log = logging.getLogger("ray.serve")
 

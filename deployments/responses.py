@@ -18,7 +18,7 @@ from deployments.logprobs_format import LogprobFormat
 from deployments.openai_api import APIError
 from deployments.tool_calls import ToolPlan, ToolStream
 from specdec.errors import ErrorKind
-from specdec.model.sampling import SEED_MAX, SEED_MIN
+from specdec.model.step.sampling import SEED_MAX, SEED_MIN
 
 RETRY_AFTER_S = "2"
 

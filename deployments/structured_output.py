@@ -3,7 +3,7 @@
 OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema"}) and vLLM's
 `structured_outputs` extension ({"json" | "regex" | "choice" | "grammar"}: at most one), on
 completions and chat alike, as vLLM serves them. Each becomes a GrammarSpec the engine
-turns into a token mask (specdec/model/grammar.py); a grammar that does not compile is a
+turns into a token mask (specdec/model/step/grammar.py); a grammar that does not compile is a
 400 naming the field it came from.
 """
 
@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specdec.model.grammar import GrammarSpec
+from specdec.model.step.grammar import GrammarSpec
 
 MAX_GRAMMAR_CHARS = 200_000  # a schema or grammar larger than this is not a reply format
 

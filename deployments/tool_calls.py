@@ -6,7 +6,7 @@ Templates in the Hermes style (Qwen2.5, Hermes, many others) ask for each call a
 and llama.cpp read the same. Small models also answer with the bare JSON object (often in
 a ```json fence) instead: a reply that is nothing but such an object, naming a declared
 tool, is read as that call too. `tool_choice` "required" or a named function is enforced
-rather than hoped for: a grammar (specdec/model/grammar.py) that admits only calls of the
+rather than hoped for: a grammar (specdec/model/step/grammar.py) that admits only calls of the
 allowed tools with arguments valid for their schemas, so a forced call always parses, and
 speculation keeps the target's distribution under it like any other grammar.
 """
@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specdec.model.grammar import GrammarSpec
+from specdec.model.step.grammar import GrammarSpec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)

@@ -13,8 +13,8 @@ specdec models fetch qwen-pair
 python - <<'PY'
 import time, torch
 from specdec.pack.hub import resolve
-from specdec.model.decoder import Decoder
-from specdec.model.batch import BatchInput
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.batch import BatchInput
 from transformers import AutoModelForCausalLM
 path = resolve("qwen2.5-coder-0.5b")
 ids = list(range(100, 140))

@@ -19,7 +19,7 @@ import time
 from benchmarks.prompts import PROMPT_SETS
 from specdec.engine.assemble import LocalBackend, assemble
 from specdec.engine.spec import DraftGroupConfig, EngineSpec, ModelGroupConfig, RuntimeConfig
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.sampling import SamplingParams
 from specdec.pack.tokenizer import prompt_ids
 from specdec.policy.engine_policy import Overrides
 

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from specdec.model.batch import BatchInput
-from specdec.model.decoder import Decoder
+from specdec.model.step.batch import BatchInput
+from specdec.model.step.decoder import Decoder
 
 DEVICE = os.environ.get("SPECDEC_DEVICE", "cuda")  # cpu: a smoke run of this script
 ALPHA = float(os.environ.get("SPECDEC_ALPHA", "0.88"))

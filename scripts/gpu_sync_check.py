@@ -13,10 +13,10 @@ import warnings
 
 import torch
 
-from specdec.model.batch import BatchInput
-from specdec.model.cuda_graph import CapturedDecoder
-from specdec.model.decoder import Decoder
-from specdec.model.sampling import SamplingParams, make_generator
+from specdec.model.step.batch import BatchInput
+from specdec.model.step.cuda_graph import CapturedDecoder
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.sampling import SamplingParams, make_generator
 from specdec.spec_decode.proposal import ProposeInput
 from specdec.spec_decode.proposers import DraftModelProposer
 from specdec.spec_decode.target_runner import TargetRow, verify_step

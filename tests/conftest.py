@@ -118,7 +118,7 @@ def pytest_unconfigure(config):
 def _repeatable_unseeded_streams():
     """Unseeded requests draw from streams seeded by the OS; in this process's tests they
     are seeded from 0 instead, so the rejection rule's statistical tests repeat exactly."""
-    from specdec.model.sampling import seed_unseeded
+    from specdec.model.step.sampling import seed_unseeded
 
     seed_unseeded(0)
     yield

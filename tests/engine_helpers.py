@@ -11,10 +11,10 @@ from scipy.stats import chi2_contingency
 
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.engine.request import Request
-from specdec.model.decoder import Decoder
-from specdec.model.generate import plain_generate
-from specdec.model.sampling import SamplingParams
-from specdec.model.step_mode import with_step
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.generate import plain_generate
+from specdec.model.step.sampling import SamplingParams
+from specdec.model.step.step_mode import with_step
 from specdec.spec_decode.proposers import DraftModelProposer, NgramProposer
 from specdec.spec_decode.target_runner import LocalTargetRunner
 
@@ -35,7 +35,7 @@ def make_engine(target_path, draft_path=None, slots=8, max_len=192,
                 config: EngineConfig | None = None, draft_vocab_limit=None,
                 draft_confidence=None, q_top_m=None, proposer_cls=DraftModelProposer,
                 overlap="off", step="eager", suffix=None) -> Engine:
-    """step: how both models run each forward (specdec/model/static_step.py); suffix: a
+    """step: how both models run each forward (specdec/model/step/static_step.py); suffix: a
     SuffixProposer to offer as the `suffix` method."""
     proposers = {"ngram": NgramProposer(1, 3)}
     if suffix is not None:

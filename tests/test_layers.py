@@ -1,7 +1,8 @@
 """The folders are layers, and a dependency never points up one: the pure engine's parts
 (model, pack, speculative decoding, policy, engine) under the Ray/Serve layer
 (deployments: actors, then the replica, router and app), under benchmarks and ops tools,
-under the command line. Checked on every import statement, including the ones inside
+under the command line and the scripts. Inside the model layer, reading a checkpoint sits
+under the weight formats, which sit under running a step. Checked on every import statement, including the ones inside
 functions (a lazy import is still a dependency); imports under `if TYPE_CHECKING:` are
 type hints only and count for the direction but not for cycles."""
 
@@ -13,14 +14,17 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("specdec", "deployments", "benchmarks", "tools", "cli")
+PACKAGES = ("specdec", "deployments", "benchmarks", "tools", "cli", "scripts")
 
 # (module prefix, rank): the longest prefix names a module's layer. A module may import
 # its own layer and any layer of a lower rank; layers of one rank are siblings and may not
 # import each other.
 LAYERS = [
     ("specdec", 0),               # specdec.errors, specdec.ports, specdec.progress
-    ("specdec.model", 1),         # decoder, weight formats, readers, sampling
+    ("specdec.model", 1),
+    ("specdec.model.checkpoint", 1.1),  # config, GGUF and safetensors readers, the file's blocks
+    ("specdec.model.formats", 1.2),     # weight formats, their linears and kernels
+    ("specdec.model.step", 1.3),        # decoder, batch, KV slots, static step, sampling
     ("specdec.pack", 2),          # model references, the offline pack, tokenizers
     ("specdec.spec_decode", 3),   # rejection, proposers, overlap, the wire
     ("specdec.policy", 4),        # when to speculate and with which k
@@ -30,6 +34,7 @@ LAYERS = [
     ("benchmarks", 8),
     ("tools", 8),
     ("cli", 9),
+    ("scripts", 10),              # one-off checks, e.g. on a GPU machine
 ]
 
 

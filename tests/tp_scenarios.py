@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.model.batch import BatchInput
+from specdec.model.step.batch import BatchInput
 
 
 def scenario_logits(model, cache, seqs: list[list[int]], argmax: bool = False
@@ -32,11 +32,11 @@ def run_rank(rank: int, world: int, port: int, ckpt: str, seqs, result_path: str
              vocab_limit: int | None = None, step: str = "eager",
              dtype: str = "float32") -> None:
     """Entry point of one spawned process: build the shard, lead or follow. step: how
-    every rank runs its forwards (specdec/model/static_step.py)."""
-    from specdec.model.decoder import Decoder
-    from specdec.model.parallel import Group, LeaderDecoder, follow
-    from specdec.model.sharding import ShardSpec
-    from specdec.model.step_mode import with_step
+    every rank runs its forwards (specdec/model/step/static_step.py)."""
+    from specdec.model.checkpoint.sharding import ShardSpec
+    from specdec.model.step.decoder import Decoder
+    from specdec.model.step.parallel import Group, LeaderDecoder, follow
+    from specdec.model.step.step_mode import with_step
 
     torch.set_num_threads(1)
     group = Group(rank, world, f"tcp://127.0.0.1:{port}", "cpu", timeout_s=60)

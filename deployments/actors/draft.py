@@ -18,7 +18,7 @@ import numpy as np
 
 from deployments.actors.shard_group import GroupFailed, ShardError, ShardGroup
 from specdec.engine.spec import DraftGroupConfig, RuntimeConfig
-from specdec.model.prefix_cache import common_prefix
+from specdec.model.step.prefix_cache import common_prefix
 from specdec.spec_decode.calls import CallStats
 from specdec.spec_decode.proposal import Proposal, ProposeInput
 from specdec.spec_decode.wire import ContextSender, pack, unpack

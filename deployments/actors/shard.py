@@ -25,12 +25,12 @@ import ray
 import torch
 
 from deployments.actors.procinfo import peak_rss_mb, rss_anon_mb, rss_mb
-from specdec.model.decoder import Decoder
-from specdec.model.openmp import omp_max_threads
-from specdec.model.parallel import Group, LeaderDecoder, follow
-from specdec.model.sharding import ShardSpec
-from specdec.model.static_step import graph_builds
-from specdec.model.step_mode import with_step
+from specdec.model.checkpoint.sharding import ShardSpec
+from specdec.model.formats.openmp import omp_max_threads
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.parallel import Group, LeaderDecoder, follow
+from specdec.model.step.static_step import graph_builds
+from specdec.model.step.step_mode import with_step
 from specdec.pack.hub import resolve
 from specdec.ports import free_port
 from specdec.spec_decode.proposers import DEFAULT_Q_TOP_M, DraftModelProposer

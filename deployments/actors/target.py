@@ -18,7 +18,7 @@ import time
 from deployments.actors.shard_group import GroupFailed, ShardError, ShardGroup
 from specdec.engine.spec import ModelGroupConfig, RuntimeConfig
 from specdec.errors import TargetLost
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.sampling import SamplingParams
 from specdec.spec_decode.calls import CallStats
 from specdec.spec_decode.target_runner import Head, Resolved, TargetResult, TargetRow
 from specdec.spec_decode.wire import pack, unpack

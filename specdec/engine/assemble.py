@@ -24,12 +24,12 @@ from specdec.engine.engine import Engine, EngineConfig
 from specdec.engine.request import Request
 from specdec.engine.spec import EngineSpec, ModelGroupConfig
 from specdec.errors import CapacityError, ConfigError, TargetDown
-from specdec.model.config import DecoderConfig
-from specdec.model.decoder import Decoder
-from specdec.model.prefix_cache import PrefixStats
-from specdec.model.sampling import SamplingParams
-from specdec.model.sharding import ShardSpec
-from specdec.model.step_mode import with_step
+from specdec.model.checkpoint.config import DecoderConfig
+from specdec.model.checkpoint.sharding import ShardSpec
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.prefix_cache import PrefixStats
+from specdec.model.step.sampling import SamplingParams
+from specdec.model.step.step_mode import with_step
 from specdec.pack import hub
 from specdec.pack.tokenizer import IncompatibleDraft, check_same_tokenizer, load_tokenizer
 from specdec.policy.decide import Decision

@@ -37,7 +37,7 @@ import time
 
 from specdec.engine.engine import Engine
 from specdec.engine.request import Request
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.sampling import SamplingParams
 from specdec.policy.engine_policy import EnginePolicy
 
 log = logging.getLogger(__name__)

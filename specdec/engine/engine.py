@@ -21,9 +21,9 @@ from specdec.engine.scheduler import Scheduler
 from specdec.engine.state import EngineConfig, KChooser, Seq, StepRecord, load_report
 from specdec.engine.stop import Detokenizer
 from specdec.errors import EngineError, ErrorKind, TargetLost
-from specdec.model.grammar import GrammarSpec, GrammarState, grammar_error
-from specdec.model.prefix_cache import Choice
-from specdec.model.static_step import graph_builds
+from specdec.model.step.grammar import GrammarSpec, GrammarState, grammar_error
+from specdec.model.step.prefix_cache import Choice
+from specdec.model.step.static_step import graph_builds
 from specdec.spec_decode.counters import SpecCounters
 from specdec.spec_decode.overlap import OverlapChooser, settle, use_overlap
 from specdec.spec_decode.proposal import Proposal, Proposer, draft_held_prefix

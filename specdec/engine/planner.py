@@ -14,7 +14,7 @@ import logging
 import time
 
 from specdec.engine.state import EngineConfig, Seq, StepRecord
-from specdec.model.logits_process import history_of, needs_history
+from specdec.model.step.logits_process import history_of, needs_history
 from specdec.spec_decode.counters import SpecCounters
 from specdec.spec_decode.proposal import Proposal, ProposeInput, Proposer
 from specdec.spec_decode.target_runner import TargetRow

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from specdec.errors import ErrorKind
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.sampling import SamplingParams
 from specdec.spec_decode.counters import SpecCounters
 
 Method = Literal["draft", "ngram", "suffix", "none"]

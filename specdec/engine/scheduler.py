@@ -3,7 +3,7 @@ holds. Submission and aborts arrive from other threads (the Serve replica's even
 so those go through a lock; the step loop alone admits and releases.
 
 A slot keeps its last sequence's K/V after it is released, and a new request takes the free
-slot holding the longest prefix of its prompt (specdec/model/prefix_cache.py): the slots
+slot holding the longest prefix of its prompt (specdec/model/step/prefix_cache.py): the slots
 are the prefix cache. There may be more slots than sequences running at once (cache slots),
 so that more conversations stay warm."""
 
@@ -19,7 +19,7 @@ import numpy as np
 from specdec.engine.request import Request
 from specdec.engine.state import Seq, pinned_plain
 from specdec.errors import CapacityError
-from specdec.model.prefix_cache import Choice, PrefixCache
+from specdec.model.step.prefix_cache import Choice, PrefixCache
 
 
 class Scheduler:

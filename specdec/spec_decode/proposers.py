@@ -14,14 +14,19 @@ from typing import Literal
 import numpy as np
 import torch
 
-from specdec.model.batch import BatchInput
-from specdec.model.decoder import Decoder
-from specdec.model.draft_loop import loop_decoder, run_loop
-from specdec.model.host_copy import to_device, to_device_all
-from specdec.model.prefix_cache import PrefixCache, PrefixStats, common_prefix
-from specdec.model.sampling import SamplingParams, draw_with_uniform, make_generator, warp_probs
-from specdec.model.seeded import race_keys, race_pick_among
-from specdec.model.static_step import graph_builds
+from specdec.model.step.batch import BatchInput
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.draft_loop import loop_decoder, run_loop
+from specdec.model.step.host_copy import to_device, to_device_all
+from specdec.model.step.prefix_cache import PrefixCache, PrefixStats, common_prefix
+from specdec.model.step.sampling import (
+    SamplingParams,
+    draw_with_uniform,
+    make_generator,
+    warp_probs,
+)
+from specdec.model.step.seeded import race_keys, race_pick_among
+from specdec.model.step.static_step import graph_builds
 from specdec.spec_decode.overlap import ThreadWindow
 from specdec.spec_decode.proposal import DraftWindow, Proposal, ProposeInput
 
@@ -145,7 +150,7 @@ class DraftModelProposer:
         self.vocab_limit = vocab_limit
         self.model = model
         self.cache = model.new_cache(max_slots, max_len)
-        # A static or captured draft runs each round as one loop (specdec/model/draft_loop.py).
+        # A static or captured draft runs each round as one loop (specdec/model/step/draft_loop.py).
         self._loop = loop_decoder(model)
         self.sampling = sampling
         self.max_len = max_len
@@ -311,7 +316,7 @@ class DraftModelProposer:
         them at construction. Greedy guesses need only the argmax ids (a reduction under
         TP; one-hot q), unless the confidence rule wants the guess's probability. A seeded
         row guesses the winner of its seeded race under q at positions[j], the token the
-        target's race under p will most likely choose (specdec/model/seeded.py)."""
+        target's race under p will most likely choose (specdec/model/step/seeded.py)."""
         greedy = all(p.greedy for p in dparams)
         ids_only = greedy and self.confidence_threshold is None
         logits = self.model(BatchInput.build(rows, self.model.device), self.cache,

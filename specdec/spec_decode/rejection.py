@@ -11,14 +11,14 @@ covers both, so one code path serves them.
 
 Greedy rows (temperature 0) use the argmax rule: keep while x_i == argmax p_i, replace the
 first mismatch by argmax p_i. No random numbers are consumed for them. Seeded rows use the
-same rule against their race winners (`choice`; specdec/model/seeded.py says why).
+same rule against their race winners (`choice`; specdec/model/step/seeded.py says why).
 """
 
 from __future__ import annotations
 
 import torch
 
-from specdec.model.sampling import draw_with_uniform
+from specdec.model.step.sampling import draw_with_uniform
 
 PLACEHOLDER = -1  # output slots after the last emitted token
 
@@ -69,7 +69,7 @@ def rejection_sample(
     greedy [B] bool: rows decided by the argmax rule.
     uniforms [B, k+1]: the draws, made beforehand (row_uniforms); then generator is unused.
     choice [B, k+1]: the token a greedy row must match at each position (default: argmax
-    p); a seeded row's race winners (specdec/model/seeded.py), verified like greedy.
+    p); a seeded row's race winners (specdec/model/step/seeded.py), verified like greedy.
     Returns (output_token_ids [B, k+1] with -1 after the last emitted token, num_emitted [B]).
     """
     B, k = draft_token_ids.shape

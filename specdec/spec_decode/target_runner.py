@@ -14,15 +14,15 @@ from typing import Protocol
 
 import torch
 
-from specdec.model.batch import BatchInput
-from specdec.model.decoder import Decoder
-from specdec.model.grammar import apply_masks
-from specdec.model.host_copy import to_device, to_device_all
-from specdec.model.kv_cache import KVCache
-from specdec.model.logits_process import RowHistory, process_row
-from specdec.model.sampling import SamplingParams, make_generator, warp_probs
-from specdec.model.seeded import race_key, race_pick
-from specdec.model.static_step import graph_builds
+from specdec.model.step.batch import BatchInput
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.grammar import apply_masks
+from specdec.model.step.host_copy import to_device, to_device_all
+from specdec.model.step.kv_cache import KVCache
+from specdec.model.step.logits_process import RowHistory, process_row
+from specdec.model.step.sampling import SamplingParams, make_generator, warp_probs
+from specdec.model.step.seeded import race_key, race_pick
+from specdec.model.step.static_step import graph_builds
 from specdec.spec_decode.calls import CallStats
 from specdec.spec_decode.logprobs import TokenLogprob, emitted_logprobs
 from specdec.spec_decode.rejection import rejection_sample, row_uniforms
@@ -288,7 +288,7 @@ def _sample_rows(rows: list[TargetRow], logits: torch.Tensor,
 
 def _raced(rows: list[TargetRow], row_params: list[SamplingParams]) -> torch.Tensor:
     """[3, S] (row, position column, race key) of every verified position of the seeded rows,
-    keyed by the position's index in the sequence (specdec/model/seeded.py): the same key,
+    keyed by the position's index in the sequence (specdec/model/step/seeded.py): the same key,
     so the same token, whatever k or batch this position is verified in."""
     cols: list[tuple[int, int, int]] = []
     for b, (r, p) in enumerate(zip(rows, row_params, strict=True)):

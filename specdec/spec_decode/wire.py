@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.sampling import SamplingParams
 from specdec.spec_decode.proposal import ProposeInput
 
 _TAIL = 64  # contexts change only near their end: compare the tail, check the rest at C speed

@@ -28,7 +28,7 @@ def test_cpu_default_fits_two_cores_without_hidden_oversubscription():
     assert cfg.draft.vocab_limit and cfg.draft.q_top_m <= 256
     # The target in a batch-independent format (greedy speculative == plain in it).
     assert cfg.target.dtype == "q4k" and cfg.draft.dtype == "int4"
-    from specdec.model.weight_format import DRAFT_ONLY, resolve_format
+    from specdec.model.formats.weight_format import DRAFT_ONLY, resolve_format
     assert cfg.target.dtype not in DRAFT_ONLY and resolve_format(cfg.target.dtype).per_row
 
 

@@ -15,9 +15,9 @@ from deployments.launch import local_ray, ray_engine
 from specdec.engine.assemble import eos_ids_of
 from specdec.engine.request import Request
 from specdec.engine.spec import DraftGroupConfig, EngineSpec, ModelGroupConfig, RuntimeConfig
-from specdec.model.decoder import Decoder
-from specdec.model.generate import plain_generate
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.generate import plain_generate
+from specdec.model.step.sampling import SamplingParams
 from specdec.pack.tokenizer import load_tokenizer
 
 pytestmark = [pytest.mark.integration, pytest.mark.real_model]

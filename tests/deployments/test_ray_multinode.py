@@ -22,7 +22,7 @@ from specdec.engine.spec import (
     ModelGroupConfig,
     RuntimeConfig,
 )
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.sampling import SamplingParams
 
 pytestmark = [pytest.mark.integration, pytest.mark.real_model]
 

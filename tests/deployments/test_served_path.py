@@ -21,7 +21,7 @@ from deployments.launch import local_ray, ray_engine
 from specdec.engine.assemble import LocalBackend, assemble, check_spec
 from specdec.engine.request import Request
 from specdec.errors import ConfigError
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.sampling import SamplingParams
 from specdec.ports import free_port
 
 pytestmark = pytest.mark.integration

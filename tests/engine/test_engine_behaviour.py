@@ -8,8 +8,8 @@ from engine_helpers import greedy, load, make_engine, random_prompts, requests
 from specdec.engine.engine import EngineConfig
 from specdec.engine.request import Request
 from specdec.errors import CapacityError, EngineError
-from specdec.model.generate import plain_generate
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.generate import plain_generate
+from specdec.model.step.sampling import SamplingParams
 
 
 def test_max_tokens_stops_exactly_even_when_a_round_overshoots(tiny_llama, tiny_llama_draft):

@@ -18,7 +18,7 @@ from engine_helpers import (
 )
 
 from specdec.engine.request import Request
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.sampling import SamplingParams
 from specdec.spec_decode.proposers import DraftModelProposer
 
 PROMPT_LENGTHS = (5, 9, 14, 3)

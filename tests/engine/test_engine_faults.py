@@ -7,7 +7,7 @@ from __future__ import annotations
 from engine_helpers import greedy, make_engine, random_prompts, requests
 
 from specdec.engine.request import Request
-from specdec.model.generate import plain_generate
+from specdec.model.step.generate import plain_generate
 
 
 def plain(target, prompt, n):

@@ -12,8 +12,8 @@ import torch
 from specdec.engine.assemble import eos_ids_of
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.engine.request import Request
-from specdec.model.decoder import Decoder
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.sampling import SamplingParams
 from specdec.pack.tokenizer import chat_ids, load_tokenizer
 from specdec.spec_decode.proposers import DraftModelProposer
 from specdec.spec_decode.target_runner import LocalTargetRunner

@@ -12,7 +12,7 @@ from engine_helpers import BIG_QUEUE, greedy, load, random_prompts
 
 from specdec.engine.engine import Engine, StepRecord
 from specdec.engine.request import Request
-from specdec.model.static_step import StaticDecoder, graph_builds
+from specdec.model.step.static_step import StaticDecoder, graph_builds
 from specdec.policy.engine_policy import EnginePolicy
 from specdec.policy.settings import PolicySettings
 from specdec.spec_decode.proposers import DraftModelProposer

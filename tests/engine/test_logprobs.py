@@ -11,7 +11,7 @@ import torch
 from engine_helpers import make_engine, random_prompts, requests
 
 from specdec.engine.request import Request
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.sampling import SamplingParams
 from specdec.pack.hub import transformers_model
 
 PROMPTS = (5, 9, 14, 3)

@@ -12,8 +12,8 @@ from engine_helpers import contingency_pvalue, greedy, make_engine, random_promp
 
 from specdec.engine.engine import EngineConfig
 from specdec.engine.request import Request
-from specdec.model.prefix_cache import COPY_MIN_TOKENS
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.prefix_cache import COPY_MIN_TOKENS
+from specdec.model.step.sampling import SamplingParams
 
 METHODS = [("none", 0), ("draft", 3), ("ngram", 2)]
 

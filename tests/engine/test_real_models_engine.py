@@ -9,9 +9,9 @@ import torch
 from specdec.engine.assemble import eos_ids_of
 from specdec.engine.engine import Engine
 from specdec.engine.request import Request
-from specdec.model.decoder import Decoder
-from specdec.model.generate import plain_generate
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.generate import plain_generate
+from specdec.model.step.sampling import SamplingParams
 from specdec.pack.tokenizer import IncompatibleDraft, check_same_tokenizer, load_tokenizer
 from specdec.spec_decode.proposers import DraftModelProposer, NgramProposer
 from specdec.spec_decode.target_runner import LocalTargetRunner

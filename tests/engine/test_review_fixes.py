@@ -12,7 +12,7 @@ from engine_helpers import greedy, load, make_engine, plain_reference, random_pr
 
 from specdec.engine.request import Request
 from specdec.errors import ConfigError, EngineError
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.sampling import SamplingParams
 
 
 def test_prompt_ids_are_checked_against_the_models_at_admission(tiny_llama, tiny_llama_draft):
@@ -72,7 +72,7 @@ def test_a_row_gone_non_finite_fails_alone(tiny_llama, tiny_llama_draft, tempera
 
 
 def test_the_q4k_kernel_keeps_nan_visible_and_tiny_rows_finite():
-    from specdec.model import q4k
+    from specdec.model.formats import q4k
 
     if not q4k.available():
         pytest.skip("the q4k kernel needs a C++ compiler and AVX512-VNNI")
@@ -94,7 +94,7 @@ def test_the_q4k_kernel_keeps_nan_visible_and_tiny_rows_finite():
 def test_the_kernel_cache_refuses_directories_others_could_write(tmp_path, monkeypatch):
     import os
 
-    from specdec.model.kernels import build
+    from specdec.model.formats.kernels import build
 
     mine = tmp_path / "kernels"
     assert build._private_dir(mine) == mine and (mine.stat().st_mode & 0o777) == 0o700

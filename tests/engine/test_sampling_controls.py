@@ -15,7 +15,7 @@ import torch
 from engine_helpers import BIG_QUEUE, contingency_pvalue, make_engine, random_prompts
 
 from specdec.engine.request import Request
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.sampling import SamplingParams
 from specdec.pack.hub import transformers_model
 
 EOS = 2

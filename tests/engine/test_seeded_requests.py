@@ -17,9 +17,9 @@ from engine_helpers import (
 )
 
 from specdec.engine.request import Request
-from specdec.model import seeded
-from specdec.model.generate import plain_generate
-from specdec.model.sampling import SamplingParams
+from specdec.model.step import seeded
+from specdec.model.step.generate import plain_generate
+from specdec.model.step.sampling import SamplingParams
 from specdec.spec_decode import target_runner
 
 WARPS = {"plain": dict(temperature=0.9), "cut": dict(temperature=1.1, top_p=0.9, top_k=20)}

@@ -20,7 +20,7 @@ from engine_helpers import (
 )
 
 from specdec.engine.request import Request
-from specdec.model.static_step import StepBuffers
+from specdec.model.step.static_step import StepBuffers
 
 PROMPT_LENGTHS = (5, 9, 14)  # three rows: a bucket of four, one row padded
 # static here; the GPU check runs the same suite with SPECDEC_TEST_STEP=captured on CUDA.
@@ -46,7 +46,7 @@ def test_static_greedy_speculation_is_token_identical(pair, k, draft_sampling):
     spec = engine.totals["draft"]
     assert 0 < spec.accepted < spec.drafted, "no rejections or no acceptances: weak test"
     assert engine.target.model.static_steps > 0
-    # The draft drafted in loops (specdec/model/draft_loop.py), not step by step.
+    # The draft drafted in loops (specdec/model/step/draft_loop.py), not step by step.
     assert engine.proposers["draft"].model.loop_rounds > 0
 
 

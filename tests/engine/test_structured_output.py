@@ -20,9 +20,9 @@ from engine_helpers import contingency_pvalue
 from specdec.engine.assemble import eos_ids_of
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.engine.request import Request
-from specdec.model.decoder import Decoder
-from specdec.model.grammar import GrammarSpec, grammar_error
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.grammar import GrammarSpec, grammar_error
+from specdec.model.step.sampling import SamplingParams
 from specdec.pack.tokenizer import load_tokenizer
 from specdec.spec_decode.proposal import Proposal
 from specdec.spec_decode.proposers import DraftModelProposer, NgramProposer

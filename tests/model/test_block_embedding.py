@@ -9,8 +9,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from specdec.model.embedding import BlockEmbedding, table_bytes
-from specdec.model.gguf_quants import TYPES, dequantize
+from specdec.model.checkpoint.gguf_quants import TYPES, dequantize
+from specdec.model.formats.embedding import BlockEmbedding, table_bytes
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0], ids=lambda t: t.name)
@@ -33,8 +33,8 @@ def test_rows_are_the_whole_tables_rows(qtype):
 
 @pytest.mark.real_model
 def test_the_pack_target_keeps_its_table_in_blocks(qwen_target_path):
-    from specdec.model.decoder import Decoder
-    from specdec.model.gguf_file import GGUFCheckpoint, gguf_in
+    from specdec.model.checkpoint.gguf_file import GGUFCheckpoint, gguf_in
+    from specdec.model.step.decoder import Decoder
 
     m = Decoder.from_checkpoint(qwen_target_path, "q4k")
     assert isinstance(m.embed, BlockEmbedding)

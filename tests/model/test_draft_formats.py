@@ -10,10 +10,10 @@ from engine_helpers import greedy, load, make_engine, random_prompts
 
 from specdec.engine.request import Request
 from specdec.engine.spec import EngineSpec
-from specdec.model.decoder import BatchInput, Decoder
-from specdec.model.generate import plain_generate
-from specdec.model.int8_linear import DynamicInt8Linear
-from specdec.model.weight_format import fbgemm_available, resolve_format
+from specdec.model.formats.int8_linear import DynamicInt8Linear
+from specdec.model.formats.weight_format import fbgemm_available, resolve_format
+from specdec.model.step.decoder import BatchInput, Decoder
+from specdec.model.step.generate import plain_generate
 
 pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="int8 needs FBGEMM (x86)")
 

@@ -1,4 +1,4 @@
-"""The draft's round as one loop (specdec/model/draft_loop.py) proposes what the eager
+"""The draft's round as one loop (specdec/model/step/draft_loop.py) proposes what the eager
 draft proposes: the same guesses and the same q, round after round with rollback, for
 greedy, sampled (seeded) and mixed rows, ragged k, the confidence rule and a narrowed
 vocabulary; compiled as one graph per shape without recompiling."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.model.decoder import Decoder
-from specdec.model.draft_loop import LoopBuffers
-from specdec.model.sampling import SamplingParams, seed_unseeded
-from specdec.model.static_step import StaticDecoder
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.draft_loop import LoopBuffers
+from specdec.model.step.sampling import SamplingParams, seed_unseeded
+from specdec.model.step.static_step import StaticDecoder
 from specdec.spec_decode.proposal import ProposeInput
 from specdec.spec_decode.proposers import DraftModelProposer
 
@@ -92,7 +92,7 @@ def test_top_k_rows_draft_eagerly(tiny_llama):
 
 
 def test_seeded_rows_draft_eagerly(tiny_llama):
-    """A seeded row's guesses are the seeded race's winners (specdec/model/seeded.py), the
+    """A seeded row's guesses are the seeded race's winners (specdec/model/step/seeded.py), the
     same whichever path drafts them: the loop leaves such rows to the eager step."""
     eager, looped = _pair(tiny_llama)
     inputs = [ProposeInput("seeded", list(range(3, 9)), 3,
@@ -159,8 +159,8 @@ def test_a_one_rank_group_drafts_in_loops_a_wider_one_step_by_step(tiny_llama):
     rank it runs the loop; with followers (who could not follow a loop) it does not."""
     from types import SimpleNamespace
 
-    from specdec.model.draft_loop import loop_decoder
-    from specdec.model.parallel import Group, LeaderDecoder
+    from specdec.model.step.draft_loop import loop_decoder
+    from specdec.model.step.parallel import Group, LeaderDecoder
 
     model = Decoder.from_checkpoint(tiny_llama, torch.float32)
     static = StaticDecoder(Group(0, 1, "tcp://127.0.0.1:1", "cpu", 10).attach(model))

@@ -11,11 +11,11 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as reference_dequantize
 from gguf.quants import quantize
 
-from specdec.model.architectures import UnsupportedModel
-from specdec.model.batch import BatchInput
-from specdec.model.config import DecoderConfig
-from specdec.model.decoder import Decoder
-from specdec.model.gguf_quants import SUPPORTED, TYPES, UnsupportedQuant, dequantize
+from specdec.model.checkpoint.architectures import UnsupportedModel
+from specdec.model.checkpoint.config import DecoderConfig
+from specdec.model.checkpoint.gguf_quants import SUPPORTED, TYPES, UnsupportedQuant, dequantize
+from specdec.model.step.batch import BatchInput
+from specdec.model.step.decoder import Decoder
 
 BLOCK_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
@@ -53,7 +53,7 @@ def test_an_unsupported_type_names_the_tensor_and_the_type():
 
 
 def _hf_to_gguf(name: str) -> str:
-    from specdec.model.gguf_file import gguf_name
+    from specdec.model.checkpoint.gguf_file import gguf_name
 
     return gguf_name(name)
 
@@ -168,7 +168,7 @@ def test_a_gguf_file_is_a_model_reference(tiny_gguf, tmp_path):
 @pytest.mark.real_model
 def test_the_pack_target_loads_from_its_gguf_without_a_full_precision_copy(qwen_target_path):
     """The pack keeps the Q4_K_M file itself; the int8 target is built tensor by tensor."""
-    from specdec.model.gguf_file import GGUFCheckpoint, gguf_in
+    from specdec.model.checkpoint.gguf_file import GGUFCheckpoint, gguf_in
 
     gguf = gguf_in(qwen_target_path)
     assert gguf is not None and gguf.name == "model.gguf"
@@ -180,7 +180,7 @@ def test_the_pack_target_loads_from_its_gguf_without_a_full_precision_copy(qwen_
 
 def test_tensor_parallel_slices_of_a_gguf_are_slices_of_the_whole(tiny_gguf):
     """Row slices (q/k/v, gate/up, biases) and column slices (o, down) as shards read them."""
-    from specdec.model.gguf_file import GGUFCheckpoint
+    from specdec.model.checkpoint.gguf_file import GGUFCheckpoint
 
     ck = GGUFCheckpoint(tiny_gguf)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight",

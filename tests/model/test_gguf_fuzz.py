@@ -24,7 +24,7 @@ pytestmark = pytest.mark.real_model
 _LOAD = r"""
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
-from specdec.model.decoder import Decoder
+from specdec.model.step.decoder import Decoder
 try:
     Decoder.from_checkpoint(sys.argv[1], "float32")
 except ValueError as e:  # ours: GGUFFormatError, UnsupportedModel, UnsupportedQuant
@@ -175,7 +175,7 @@ def _load(path: Path) -> tuple[int, str]:
 
 
 def test_every_corrupt_file_ends_in_a_clear_error(smollm2_path, tmp_path):
-    from specdec.model.gguf_file import gguf_in
+    from specdec.model.checkpoint.gguf_file import gguf_in
 
     src = gguf_in(smollm2_path)
     data = src.read_bytes()

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
-from specdec.model.gguf_header import GGUFFormatError, GGUFHeader, StringArray, plain
+from specdec.model.checkpoint.gguf_header import GGUFFormatError, GGUFHeader, StringArray, plain
 
 
 def assert_same_as_gguf_package(path) -> GGUFHeader:

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from specdec.model.decoder import Decoder
-from specdec.model.generate import plain_generate
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.generate import plain_generate
+from specdec.model.step.sampling import SamplingParams
 from specdec.pack.hub import transformers_model
 
 PROMPTS = [

@@ -13,14 +13,14 @@ import textwrap
 
 import pytest
 
-from specdec.model.kernels import build
+from specdec.model.formats.kernels import build
 
 pytestmark = pytest.mark.skipif(not shutil.which("c++"), reason="no C++ compiler on this host")
 
 
 def _load_in_child(cache, timeout):
     code = textwrap.dedent("""
-        from specdec.model.kernels import build
+        from specdec.model.formats.kernels import build
         build.load("seeded_race")
         print("loaded")
     """)
@@ -53,7 +53,7 @@ def test_builders_starting_together_wait_for_each_other(tmp_path):
     (cache / "kernels").mkdir(parents=True, mode=0o700)
     cache.chmod(0o700)
     env = dict(os.environ, SPECDEC_CACHE=str(cache))
-    code = "from specdec.model.kernels import build; build.load('seeded_race'); print('loaded')"
+    code = "from specdec.model.formats.kernels import build; build.load('seeded_race'); print('loaded')"
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]

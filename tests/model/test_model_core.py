@@ -7,10 +7,10 @@ import functools
 import pytest
 import torch
 
-from specdec.model.architectures import UnsupportedModel
-from specdec.model.batch import BatchInput
-from specdec.model.config import DecoderConfig
-from specdec.model.decoder import Decoder
+from specdec.model.checkpoint.architectures import UnsupportedModel
+from specdec.model.checkpoint.config import DecoderConfig
+from specdec.model.step.batch import BatchInput
+from specdec.model.step.decoder import Decoder
 from specdec.pack.hub import transformers_model
 
 
@@ -116,8 +116,8 @@ def test_cache_overflow_is_refused(tiny_llama):
 def test_fp16_packed_weights_compute_like_fp32_on_rounded_weights(tiny_checkpoint):
     """"float16" on a CPU: fp16 weights in FBGEMM's layout, fp32 activations. Its logits
     must equal an fp32 model whose weights were rounded to fp16 (same numbers, same maths)."""
-    from specdec.model.linear import PackedFp16Linear
-    from specdec.model.weight_format import fbgemm_available, resolve_format
+    from specdec.model.formats.linear import PackedFp16Linear
+    from specdec.model.formats.weight_format import fbgemm_available, resolve_format
 
     fmt = resolve_format("float16", "cpu")
     assert fmt.packed == fbgemm_available() and fmt.act_dtype == (
@@ -143,7 +143,7 @@ def test_fp16_packed_weights_compute_like_fp32_on_rounded_weights(tiny_checkpoin
 
 
 def test_auto_format_follows_the_machine():
-    from specdec.model.weight_format import (
+    from specdec.model.formats.weight_format import (
         choose_fastest,
         cpu_candidates,
         cpu_has_native_bf16,

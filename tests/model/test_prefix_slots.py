@@ -1,11 +1,11 @@
 """The prefix cache's bookkeeping: which slot a new sequence takes, how much of it is reused,
-what is copied and what is evicted (specdec/model/prefix_cache.py)."""
+what is copied and what is evicted (specdec/model/step/prefix_cache.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from specdec.model.prefix_cache import COPY_MIN_TOKENS, PrefixCache, common_prefix
+from specdec.model.step.prefix_cache import COPY_MIN_TOKENS, PrefixCache, common_prefix
 
 
 def test_common_prefix():

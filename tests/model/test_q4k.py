@@ -17,13 +17,14 @@ from gguf.quants import dequantize as reference_dequantize
 
 from specdec.engine.engine import Engine
 from specdec.engine.request import Request
-from specdec.model import q4k
-from specdec.model.decoder import BatchInput, Decoder
-from specdec.model.generate import plain_generate
-from specdec.model.int8_linear import RowInt8Linear
-from specdec.model.kquant_choice import RowStackedLinear
-from specdec.model.q6k import Q6KLinear
-from specdec.model.weight_format import fbgemm_available, resolve_format
+from specdec.model.checkpoint import kquant_blocks as kb
+from specdec.model.formats import q4k
+from specdec.model.formats.int8_linear import RowInt8Linear
+from specdec.model.formats.kquant_choice import RowStackedLinear
+from specdec.model.formats.q6k import Q6KLinear
+from specdec.model.formats.weight_format import fbgemm_available, resolve_format
+from specdec.model.step.decoder import BatchInput, Decoder
+from specdec.model.step.generate import plain_generate
 from specdec.spec_decode.proposers import DraftModelProposer
 from specdec.spec_decode.target_runner import LocalTargetRunner
 
@@ -31,30 +32,30 @@ pytestmark = pytest.mark.skipif(not (fbgemm_available() and q4k.available()),
                                 reason="q4k needs its kernel (a C++ compiler) and FBGEMM")
 
 
-def random_blocks(n: int, k: int, seed: int) -> q4k.Q4KBlocks:
+def random_blocks(n: int, k: int, seed: int) -> kb.Q4KBlocks:
     """Every field over its whole range: 6-bit scales and minimums, 4-bit weights."""
     g = torch.Generator().manual_seed(seed)
-    nb = k // q4k.QK
+    nb = k // kb.QK
 
     def ints(high, *shape):
         return torch.randint(0, high, shape, generator=g, dtype=torch.uint8)
 
     d = (torch.rand(n, nb, generator=g) * 1e-3).half().float()
     dmin = (torch.rand(n, nb, generator=g) * 1e-3).half().float()
-    return q4k.Q4KBlocks(d, dmin, ints(64, n, nb, 8), ints(64, n, nb, 8), ints(16, n, nb, 256))
+    return kb.Q4KBlocks(d, dmin, ints(64, n, nb, 8), ints(64, n, nb, 8), ints(16, n, nb, 256))
 
 
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     """The kernel's view of x: int8 per 256 columns of a row, times that block's scale."""
-    b = x.reshape(x.shape[0], -1, q4k.QK)
+    b = x.reshape(x.shape[0], -1, kb.QK)
     amax = b.abs().amax(dim=-1, keepdim=True)
     scale = amax / 127
     q = torch.round(b * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
     return (q.double() * scale.double()).reshape(x.shape)
 
 
-def to_gguf_bytes(blocks: q4k.Q4KBlocks) -> np.ndarray:
-    """Q4_K blocks in GGUF's byte layout (ggml-quants.c), the inverse of q4k.from_gguf."""
+def to_gguf_bytes(blocks: kb.Q4KBlocks) -> np.ndarray:
+    """Q4_K blocks in GGUF's byte layout (ggml-quants.c), the inverse of kb.q4k_from_gguf."""
     n, nb = blocks.d.shape
     sc, mn = blocks.scales.reshape(-1, 8), blocks.mins.reshape(-1, 8)
     packed = torch.zeros(n * nb, 12, dtype=torch.uint8)
@@ -66,7 +67,7 @@ def to_gguf_bytes(blocks: q4k.Q4KBlocks) -> np.ndarray:
     d = blocks.d.reshape(-1, 1).half().view(torch.uint8)
     dmin = blocks.dmin.reshape(-1, 1).half().view(torch.uint8)
     raw = torch.cat([d, dmin, packed, qs], dim=1)
-    return raw.reshape(n, nb * q4k.Q4_K_BYTES).numpy()
+    return raw.reshape(n, nb * kb.Q4_K_BYTES).numpy()
 
 
 def test_the_kernel_gives_its_reference_and_tracks_float_arithmetic():
@@ -101,7 +102,7 @@ def test_packing_round_trips_and_the_gguf_bytes_read_as_the_reference_reads_them
         assert torch.equal(getattr(back, name), getattr(blocks, name)), name
     raw = to_gguf_bytes(blocks)
     ref = torch.from_numpy(reference_dequantize(raw, Q.Q4_K).astype(np.float32))
-    got = q4k.from_gguf(torch.from_numpy(raw.copy()))
+    got = kb.q4k_from_gguf(torch.from_numpy(raw.copy()))
     assert torch.equal(got.dequantize(), ref.reshape(19, 512))
     assert torch.equal(got.q, blocks.q) and torch.equal(got.scales, blocks.scales)
 
@@ -166,21 +167,21 @@ def q4k_pair(tmp_path_factory):
 
 
 def test_the_loader_keeps_the_files_blocks_and_more_bits_as_int8(q4k_gguf):
-    from specdec.model.gguf_file import GGUFCheckpoint
+    from specdec.model.checkpoint.gguf_file import GGUFCheckpoint
 
     m = Decoder.from_checkpoint(q4k_gguf, "q4k")
     ck = GGUFCheckpoint(q4k_gguf)
     layer = m.layers[1].w
     gate_up = layer["gate_up"]
     assert isinstance(gate_up, q4k.Q4KLinear)
-    file_blocks = q4k.Q4KBlocks.cat([ck.q4k_source(f"model.layers.1.mlp.{p}_proj.weight")
+    file_blocks = kb.Q4KBlocks.cat([ck.stored_blocks(f"model.layers.1.mlp.{p}_proj.weight")
                                      for p in ("gate", "up")])
     assert torch.equal(gate_up.weight(), file_blocks.dequantize())
     assert isinstance(layer["qkv"], RowStackedLinear)          # q|k in 4 bits, v in int8
     assert [type(p) for p in layer["qkv"].parts] == [q4k.Q4KLinear, RowInt8Linear]
     v6 = m.layers[0].w["qkv"].parts[1]                          # layer 0's v: Q6_K
     assert isinstance(v6, Q6KLinear)
-    assert torch.equal(v6.weight(), ck.q4k_source("model.layers.0.self_attn.v_proj.weight")
+    assert torch.equal(v6.weight(), ck.stored_blocks("model.layers.0.self_attn.v_proj.weight")
                        .dequantize())
     assert isinstance(m.lm_head, RowInt8Linear)               # Q8_0 in the file
     assert isinstance(layer["o"], q4k.Q4KLinear)              # F16 in the file: quantized
@@ -203,11 +204,11 @@ def test_a_tied_output_projection_keeps_the_files_blocks(tmp_path, qwen_target_p
     from conftest import make_tiny_checkpoint
     from test_gguf import write_gguf
 
-    from specdec.model.gguf_file import GGUFCheckpoint
+    from specdec.model.checkpoint.gguf_file import GGUFCheckpoint
 
     real, _ = GGUFCheckpoint(qwen_target_path / "model.gguf").block_table(
         "model.embed_tokens.weight")
-    llama_blocks = real[:96, :q4k.Q4_K_BYTES].numpy()
+    llama_blocks = real[:96, :kb.Q4_K_BYTES].numpy()
     src = make_tiny_checkpoint(tmp_path / "src", "qwen2", hidden_size=256,
                                intermediate_size=512, num_attention_heads=4,
                                num_key_value_heads=2, tie_word_embeddings=True)
@@ -218,12 +219,12 @@ def test_a_tied_output_projection_keeps_the_files_blocks(tmp_path, qwen_target_p
     m = Decoder.from_checkpoint(dest, "q4k")
     assert isinstance(m.lm_head, q4k.Q4KLinear)
     assert torch.equal(m.lm_head.weight(),
-                       ck.q4k_source("model.embed_tokens.weight").dequantize())
+                       ck.stored_blocks("model.embed_tokens.weight").dequantize())
 
 
 def test_int4_rounds_the_files_q6k_to_4_bits_and_runs(q4k_gguf):
     """The draft's format: layer 0's Q6_K v is re-quantized to Q4_K from its floats."""
-    from specdec.model.gguf_file import GGUFCheckpoint
+    from specdec.model.checkpoint.gguf_file import GGUFCheckpoint
 
     m = Decoder.from_checkpoint(q4k_gguf, "int4")
     qkv = m.layers[0].w["qkv"]   # q|k on the file's Q4_K blocks, v re-quantized
@@ -311,7 +312,7 @@ def test_q4k_resolves_to_a_batch_independent_format():
 
 @pytest.mark.real_model
 def test_the_pack_target_in_q4k_keeps_its_file_blocks_and_is_batch_independent(qwen_target_path):
-    from specdec.model.gguf_file import GGUFCheckpoint
+    from specdec.model.checkpoint.gguf_file import GGUFCheckpoint
 
     m = Decoder.from_checkpoint(qwen_target_path, "q4k")
     ck = GGUFCheckpoint(qwen_target_path / "model.gguf")

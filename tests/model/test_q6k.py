@@ -10,20 +10,21 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as reference_dequantize
 
-from specdec.model import q4k, q6k
+from specdec.model.checkpoint import kquant_blocks as kb
+from specdec.model.formats import q4k, q6k
 
 pytestmark = pytest.mark.skipif(not q4k.available(), reason="needs the kquant kernel")
 
 
-def random_blocks(n: int, nb: int, seed: int) -> q6k.Q6KBlocks:
+def random_blocks(n: int, nb: int, seed: int) -> kb.Q6KBlocks:
     g = torch.Generator().manual_seed(seed)
     d = (torch.rand(n, nb, generator=g) * 1e-3).half().float()
     scales = torch.randint(-128, 128, (n, nb, 16), generator=g, dtype=torch.int8)
     q = torch.randint(0, 64, (n, nb, 256), generator=g, dtype=torch.uint8)
-    return q6k.Q6KBlocks(d, scales, q)
+    return kb.Q6KBlocks(d, scales, q)
 
 
-def quantize_q6k(w: torch.Tensor) -> q6k.Q6KBlocks:
+def quantize_q6k(w: torch.Tensor) -> kb.Q6KBlocks:
     """Float weights -> Q6_K blocks (symmetric per 16, scales as int8 multiples of d)."""
     n, k = w.shape
     s = w.reshape(n, k // 256, 16, 16)
@@ -32,11 +33,11 @@ def quantize_q6k(w: torch.Tensor) -> q6k.Q6KBlocks:
     sc = torch.round(sub / d.clamp(min=1e-12).unsqueeze(-1)).clamp(-128, 127)
     step = (d.unsqueeze(-1) * sc).unsqueeze(-1).clamp(min=1e-12)
     q = (torch.round(s / step).clamp(-32, 31) + 32).to(torch.uint8).reshape(n, k // 256, 256)
-    return q6k.Q6KBlocks(d, sc.to(torch.int8), q)
+    return kb.Q6KBlocks(d, sc.to(torch.int8), q)
 
 
-def to_gguf_bytes(b: q6k.Q6KBlocks) -> np.ndarray:
-    """The GGUF Q6_K byte layout (ggml-quants.c), the inverse of q6k.from_gguf."""
+def to_gguf_bytes(b: kb.Q6KBlocks) -> np.ndarray:
+    """The GGUF Q6_K byte layout (ggml-quants.c), the inverse of kb.q6k_from_gguf."""
     n, nb = b.d.shape
     q = b.q.reshape(-1, 2, 4, 32)                      # [block, half, group, 32]
     low, high = q & 0x0F, q >> 4
@@ -46,15 +47,15 @@ def to_gguf_bytes(b: q6k.Q6KBlocks) -> np.ndarray:
           (high[:, :, 3] << 6)).reshape(-1, 64)
     sc = b.scales.reshape(-1, 16).view(torch.uint8)
     d = b.d.reshape(-1, 1).half().view(torch.uint8)
-    return torch.cat([ql, qh, sc, d], dim=1).reshape(n, nb * q6k.Q6_K_BYTES).numpy()
+    return torch.cat([ql, qh, sc, d], dim=1).reshape(n, nb * kb.Q6_K_BYTES).numpy()
 
 
 def test_the_gguf_bytes_read_as_the_reference_reads_them_and_pack_round_trips():
     rng = np.random.default_rng(6)
-    raw = rng.integers(0, 256, size=(21, 2 * q6k.Q6_K_BYTES), dtype=np.uint8)
-    raw.reshape(-1, q6k.Q6_K_BYTES)[:, 208:210] = np.frombuffer(
+    raw = rng.integers(0, 256, size=(21, 2 * kb.Q6_K_BYTES), dtype=np.uint8)
+    raw.reshape(-1, kb.Q6_K_BYTES)[:, 208:210] = np.frombuffer(
         (rng.random(42) * 1e-2).astype(np.float16).tobytes(), np.uint8).reshape(42, 2)
-    blocks = q6k.from_gguf(torch.from_numpy(raw.copy()))
+    blocks = kb.q6k_from_gguf(torch.from_numpy(raw.copy()))
     ref = reference_dequantize(raw, Q.Q6_K).astype(np.float32)
     assert torch.equal(blocks.dequantize(), torch.from_numpy(ref).reshape(21, 512))
     assert np.array_equal(to_gguf_bytes(blocks), raw)

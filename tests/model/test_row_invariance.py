@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.model import activation, q4k
-from specdec.model.batch import BatchInput
-from specdec.model.decoder import Decoder
+from specdec.model.formats import activation, q4k
+from specdec.model.step.batch import BatchInput
+from specdec.model.step.decoder import Decoder
 
 pytestmark = pytest.mark.skipif(not (activation.kernel_available() and q4k.available()),
                                 reason="the kernels need a C++ compiler (and AVX512-VNNI)")

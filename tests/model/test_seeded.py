@@ -1,4 +1,4 @@
-"""The seeded race (specdec/model/seeded.py): one hash in three implementations, agreeing bit
+"""The seeded race (specdec/model/step/seeded.py): one hash in three implementations, agreeing bit
 for bit, and the race an exact draw from p."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec.model import seeded
-from specdec.model.seeded import race_key, race_keys, race_pick, race_pick_among
+from specdec.model.step import seeded
+from specdec.model.step.seeded import race_key, race_keys, race_pick, race_pick_among
 
 
 def _without_kernel(monkeypatch):

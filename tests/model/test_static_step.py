@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.model.batch import BatchInput
-from specdec.model.decoder import Decoder
-from specdec.model.static_step import Bucket, StaticDecoder, flatten
+from specdec.model.step.batch import BatchInput
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.static_step import Bucket, StaticDecoder, flatten
 
 # fp32, two layers: the padded grid's longer key axis reassociates the softmax sums.
 ATOL = 2e-5

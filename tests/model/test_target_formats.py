@@ -12,10 +12,15 @@ from engine_helpers import greedy, random_prompts
 from specdec.engine.engine import Engine
 from specdec.engine.request import Request
 from specdec.engine.spec import EngineSpec
-from specdec.model.decoder import BatchInput, Decoder
-from specdec.model.generate import plain_generate
-from specdec.model.int8_linear import DynamicInt8Linear, RowInt8Linear, activation_levels, pack_int8
-from specdec.model.weight_format import fbgemm_available
+from specdec.model.formats.int8_linear import (
+    DynamicInt8Linear,
+    RowInt8Linear,
+    activation_levels,
+    pack_int8,
+)
+from specdec.model.formats.weight_format import fbgemm_available
+from specdec.model.step.decoder import BatchInput, Decoder
+from specdec.model.step.generate import plain_generate
 from specdec.spec_decode.proposers import DraftModelProposer, NgramProposer
 from specdec.spec_decode.target_runner import LocalTargetRunner
 

@@ -9,10 +9,10 @@ import torch.multiprocessing as mp
 from conftest import make_tiny_checkpoint
 from tp_scenarios import run_rank, scenario_logits
 
-from specdec.model.config import DecoderConfig
-from specdec.model.decoder import Decoder
-from specdec.model.parallel import pick_argmax
-from specdec.model.sharding import ShardSpec
+from specdec.model.checkpoint.config import DecoderConfig
+from specdec.model.checkpoint.sharding import ShardSpec
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.parallel import pick_argmax
 from specdec.ports import free_port
 
 

@@ -1,4 +1,4 @@
-"""The token-attention kernel (specdec/model/kernels/token_attention.cpp): each token attends
+"""The token-attention kernel (specdec/model/formats/kernels/token_attention.cpp): each token attends
 alone over its own slot, the same arithmetic whatever shares its batch and whatever the
 thread count, and as close to exact attention as SDPA."""
 
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from specdec.model import token_attention
-from specdec.model.kernels.build import attention
+from specdec.model.formats import token_attention
+from specdec.model.formats.kernels.build import attention
 
 pytestmark = pytest.mark.skipif(not token_attention.kernel_available(),
                                 reason="no C++ compiler here to build the kernel")

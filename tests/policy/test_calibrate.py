@@ -7,7 +7,7 @@ import torch
 
 from specdec.engine.assemble import LocalBackend, assemble
 from specdec.engine.spec import EngineSpec
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.sampling import SamplingParams
 from specdec.policy.engine_policy import Overrides
 
 

@@ -16,7 +16,7 @@ from specdec.engine.assemble import AssembledEngine
 from specdec.engine.calibrate import noise
 from specdec.engine.engine import StepRecord
 from specdec.engine.request import Request
-from specdec.model.generate import plain_generate
+from specdec.model.step.generate import plain_generate
 from specdec.policy.engine_policy import EnginePolicy, Overrides
 from specdec.policy.settings import PolicySettings
 from specdec.spec_decode.counters import SpecCounters

@@ -9,12 +9,12 @@ import pytest
 import torch
 from device_crossings import Crossings
 
-from specdec.model.batch import BatchInput
-from specdec.model.decoder import Decoder
-from specdec.model.host_copy import longs_to_device, to_device_all
-from specdec.model.parallel import decode_batch, encode_batch
-from specdec.model.sampling import SamplingParams, make_generator
-from specdec.model.static_step import StaticDecoder
+from specdec.model.step.batch import BatchInput
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.host_copy import longs_to_device, to_device_all
+from specdec.model.step.parallel import decode_batch, encode_batch
+from specdec.model.step.sampling import SamplingParams, make_generator
+from specdec.model.step.static_step import StaticDecoder
 from specdec.spec_decode.proposal import ProposeInput
 from specdec.spec_decode.proposers import DraftModelProposer
 from specdec.spec_decode.target_runner import Head, TargetRow, resolve_heads, verify_step

@@ -11,10 +11,10 @@ import contextlib
 import pytest
 import torch
 
-from specdec.model.batch import BatchInput
-from specdec.model.decoder import Decoder
-from specdec.model.sampling import SamplingParams, make_generator
-from specdec.model.static_step import StaticDecoder
+from specdec.model.step.batch import BatchInput
+from specdec.model.step.decoder import Decoder
+from specdec.model.step.sampling import SamplingParams, make_generator
+from specdec.model.step.static_step import StaticDecoder
 from specdec.spec_decode.target_runner import TargetRow, verify_step
 
 READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec.model.sampling import draw_with_uniform
+from specdec.model.step.sampling import draw_with_uniform
 from specdec.policy.cost_model import expected_tokens_per_round
 from specdec.spec_decode.rejection import rejection_sample
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.sampling import SamplingParams
 from specdec.spec_decode.proposal import ProposeInput
 from specdec.spec_decode.suffix import SuffixIndex, SuffixProposer, ngram_hashes
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.model.sampling import SamplingParams
+from specdec.model.step.sampling import SamplingParams
 from specdec.spec_decode.proposal import Proposal, ProposeInput
 from specdec.spec_decode.wire import ContextReceiver, ContextSender, payload_bytes
 
