@@ -6,7 +6,7 @@ The default pair as serve_config.yaml runs it (target on both cores, the draft b
 them, draft vocabulary limit 32768), greedy code prompts, `rows` requests at once of which
 n draft k guesses per round and the rest decode plain, n from 0 to rows; output tokens/s,
 medians of the repeats (alternated), and the ratio to the all-plain batch. A mixed batch
-costs more than either pure one; this is why the router makes one decision per batch
+costs more than either pure one; this is why the policy makes one decision per batch
 (standby requests follow it) instead of one per request.
 """
 

@@ -1,7 +1,7 @@
 """`specdec bench serve`: a concurrency sweep against the running service, over HTTP.
 
 For each sampling temperature (greedy and sampled), each concurrency level and each policy
-(always plain, always speculative at a static k, the router's auto; back to back at each
+(always plain, always speculative at a static k, the policy's auto; back to back at each
 level, so they see the same machine), N clients send streamed chat requests from mixed
 prompt sets and output lengths. With --repeats R each level runs its policies R times, in
 an order rotated by one each time (no policy always goes first, after another's warm
@@ -38,7 +38,7 @@ PEER = "llama.cpp"
 POLICIES = {
     "plain": lambda k: {"mode": "off"},
     "speculative": lambda k: {"mode": "on", "method": "draft", "k": k},
-    "router": lambda k: {"mode": "auto"},
+    "auto": lambda k: {"mode": "auto"},
     PEER: lambda k: None,  # llama-server: its own decoding, no extension field
 }
 

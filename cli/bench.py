@@ -68,8 +68,8 @@ def _args_serve(bench) -> None:
     b_srv.add_argument("--url", default="http://127.0.0.1:8000")
     b_srv.add_argument("--model", default="qwen2.5-coder-1.5b")
     b_srv.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    b_srv.add_argument("--policies", nargs="+", default=["plain", "speculative", "router"],
-                       choices=["plain", "speculative", "router"])
+    b_srv.add_argument("--policies", nargs="+", default=["plain", "speculative", "auto"],
+                       choices=["plain", "speculative", "auto"])
     b_srv.add_argument("--k", type=int, default=4, help="k of the static speculative policy")
     b_srv.add_argument("--requests-per-client", type=int, default=4)
     b_srv.add_argument("--repeats", type=int, default=1,

@@ -1,7 +1,7 @@
 """`specdec wait-ready URL`: watch a starting service and say when it takes requests.
 
 `specdec serve` runs it beside the service: Serve's own log says the application is "ready"
-when the HTTP router is, while the engine behind it may still be loading, warming up and
+when the HTTP proxy is, while the engine behind it may still be loading, warming up and
 calibrating for a minute or more. /health answers 503 with what start-up is doing until
 the engine can serve a request at full speed; this prints each new phase and then one
 line saying the service is ready, with how long start-up took.

@@ -36,7 +36,7 @@ class EngineServer:
         pg = get_current_placement_group()
         # Warm-up and calibration run inside assemble(): the replica is not a replica (Serve
         # routes nothing to it, `serve status` is not RUNNING) before they are done, and
-        # meanwhile the router answers 503 with the phase reported here.
+        # meanwhile the ingress answers 503 with the phase reported here.
         ctx = serve.get_replica_context()
         self.replica_tag = ctx.replica_tag  # reported with every decision (which replica served)
         startup = StartupReporter(ctx.app_name, ctx.replica_tag)
@@ -106,7 +106,7 @@ class EngineServer:
             return
         loop, queue, stream = entry
         if not stream and not out.finished:
-            # A whole response is sent once: every chunk crossing to the router and on is
+            # A whole response is sent once: every chunk crossing to the ingress and on is
             # CPU taken from the next step's forward on a small machine.
             return
         chunk = Tokens(text=out.new_text if stream else out.text,
@@ -120,7 +120,7 @@ class EngineServer:
                        logprobs=out.new_logprobs if stream else out.logprobs)
         loop.call_soon_threadsafe(queue.put_nowait, chunk)
 
-    # ---- the API the router calls ----------------------------------------------------------
+    # ---- the API the ingress calls ----------------------------------------------------------
 
     async def generate(self, call: GenerateCall):
         """Yields Decided (or Refused, and nothing more), then Tokens as they are accepted
@@ -166,7 +166,7 @@ class EngineServer:
 
     async def ready(self) -> bool:
         """Answers only once the constructor is done: weights loaded, warmed up, costs
-        calibrated. The router asks before it reports the service ready."""
+        calibrated. The ingress asks before it reports the service ready."""
         return True
 
     async def load(self) -> dict:

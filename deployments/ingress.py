@@ -2,7 +2,7 @@
 tokenization, and the hand-off to an engine replica with what the request says about
 speculation. The replica that runs a request decides plain or speculative and k from its
 own load (specdec/policy/engine_policy.py); its decision comes back with the first chunk and is
-reported in `spec_decode` and the router's decision metrics. No maths here.
+reported in `spec_decode` and the policy's decision metrics. No maths here.
 
 Hardening: bodies are capped (413) before they are read whole; bodies are validated by the
 declared models (400 naming the field, also for JSON too deeply nested to parse); text is
@@ -133,7 +133,7 @@ class IngressServer:
         # only to keep the event loop free.
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, "tokenize")
         self._openapi: dict | None = None
-        # Whether an engine replica has answered since this router started: until one
+        # Whether an engine replica has answered since this ingress started: until one
         # does, every route but /openapi.json answers 503 saying what the service waits for.
         self._engine_seen = False
         try:

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the engine replicas and the router (exported by Ray as ray_*).
+"""Prometheus metrics of the engine replicas and the ingress (exported by Ray as ray_*).
 
 Every series and the PromQL built on it is documented in cluster/README.md ("Metrics").
 Acceptance is exported as counters so PromQL can form honest ratios over any window:

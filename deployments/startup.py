@@ -1,9 +1,9 @@
-"""What a starting engine replica is doing, told to the router before the replica exists.
+"""What a starting engine replica is doing, told to the ingress before the replica exists.
 
 An engine replica is not a replica until its constructor returns (weights loaded, warmed
-up, step costs calibrated: a minute or two on a small CPU), and until then the router
+up, step costs calibrated: a minute or two on a small CPU), and until then the ingress
 cannot call it. So the replica writes its phase to the cluster's key-value store and the
-router reads it, to answer 503 with what the service waits for instead of a request that
+ingress reads it, to answer 503 with what the service waits for instead of a request that
 hangs in a queue for minutes.
 """
 
@@ -48,7 +48,7 @@ class StartupReporter:
 
 
 def starting_replicas(app: str) -> list[dict]:
-    """The router side: each starting replica's phase and how long it has been starting."""
+    """The ingress side: each starting replica's phase and how long it has been starting."""
     out = []
     try:
         kv = _kv()

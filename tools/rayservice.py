@@ -2,7 +2,7 @@
 two cannot drift: `specdec cluster rayservice` writes cluster/rayservice.yaml (committed; a
 test checks the file is what this code makes from the current GPU app config).
 
-Pods: a CPU head (Serve controller, HTTP proxy, router, Ray's GCS and dashboard) and two
+Pods: a CPU head (Serve controller, HTTP proxy, ingress, Ray's GCS and dashboard) and two
 GPU worker groups, `target-gpu` (4 GPUs a pod, custom resource target_gpu) and `draft-gpu`
 (1 GPU, draft_gpu), which the app config's shard resources ask for. In-tree autoscaling
 adds worker pods when Serve autoscaling adds engine replicas that do not fit.

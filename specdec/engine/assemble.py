@@ -216,7 +216,7 @@ class AssembledEngine:
 def assemble(spec: EngineSpec, backend: Backend,
              on_phase: Callable[[str], None] | None = None) -> AssembledEngine:
     """Build the engine; on_phase(name) hears each phase of the start-up as it begins
-    (the served replica tells the router, which answers 503 saying what it waits for)."""
+    (the served replica tells the ingress, which answers 503 saying what it waits for)."""
     phase = on_phase or (lambda name: None)
     phase("checking the models")
     target_path = hub.resolve(spec.target.model)

@@ -1,4 +1,4 @@
-"""Measure the router's costs before the first request.
+"""Measure the policy's costs before the first request.
 
 The policy prices a speculative round from the target's step time as a function of the
 tokens in its forward and from the draft's round time as a function of k and rows, both
@@ -11,7 +11,7 @@ separate a fixed cost from a per-token one.
 
 So at start-up, after the warm-up, the engine runs a short grid of batches (1 row and a
 full batch; plain and each draft at a short and a long k) and gives those steps to the
-policy as its prior (specdec/policy/measured_costs.py): live steps of the same shape replace them,
+policy as its prior (specdec/policy/cost_model.py): live steps of the same shape replace them,
 and the policy probes the shapes its batch does not run, so a calibration taken on a busy
 machine costs a minute of serving, not the app's life. Only costs are learned here: the
 prompts are arbitrary ids, so acceptance (which they would understate) and lengths are not

@@ -24,6 +24,7 @@ from specdec.errors import EngineError, ErrorKind, TargetLost
 from specdec.model.step.grammar import GrammarSpec, GrammarState, grammar_error
 from specdec.model.step.prefix_cache import Choice
 from specdec.model.step.static_step import graph_builds
+from specdec.policy.view import EngineView
 from specdec.spec_decode.counters import SpecCounters
 from specdec.spec_decode.overlap import OverlapChooser, settle, use_overlap
 from specdec.spec_decode.proposal import Proposal, Proposer, draft_held_prefix
@@ -50,6 +51,7 @@ class Engine:
         self.config = config or EngineConfig()
         # The policy hook: revisit k between rounds (default: the request's own k).
         self.choose_k = choose_k
+        self._policy_view: EngineView | None = None
         # Whether this step's k is a policy probe (a shape run to measure its cost): the
         # probed draft rounds must then run as chosen, not be led by the suffix index.
         self.probing: Callable[[], object] | None = None
@@ -183,7 +185,7 @@ class Engine:
 
     def _step(self, outputs: list[RequestOutput]) -> None:
         t_start = time.perf_counter()
-        rec = StepRecord(0, 0, 0.0, 0.0)
+        rec = StepRecord(rows=0, tokens=0, draft_s=0.0, verify_s=0.0)
         builds = self._graph_builds()
         rec.overlapped = self._use_overlap()
         if rec.overlapped != self._last_mode and self.on_mode is not None:
@@ -328,6 +330,14 @@ class Engine:
         seq.reused += n - seq.cached
         seq.cached = n
 
+    def _view(self) -> EngineView:
+        """The engine as the policy sees it, once per step."""
+        if self._policy_view is None or self._policy_view.steps != self.steps:
+            overlapped = self.overlap == "on" or (
+                self.overlap_chooser is not None and bool(self.overlap_chooser.choice))
+            self._policy_view = EngineView(self.steps, self.load, overlapped)
+        return self._policy_view
+
     def _k_for(self, seq: Seq, pending: int) -> int:
         req = seq.req
         if req.method == "none" or req.method not in self.proposers:
@@ -341,7 +351,8 @@ class Engine:
         else:
             # The context the draft has not seen: priced against what the row has left.
             catchup = len(seq.tokens) - seq.draft_seen if req.method == "draft" else 0
-            k = self.choose_k(self, req, seq.spec, len(self._running), catchup=catchup)
+            k = self.choose_k(self._view(), req, seq.spec, len(self._running),
+                              catchup=catchup)
         if req.speculate:  # asked for: a guess every round, whatever the costs say
             k = max(k, 1)
         remaining = req.params.max_tokens - seq.generated

@@ -74,10 +74,12 @@ def make_output(seq: Seq, new: list[int], finished: bool, reason: str | None,
     """The request's output after this step, handed to its on_output callback too."""
     text = seq.detok.text if seq.detok else ""
     delta = seq.detok.delta(final=finished) if seq.detok else ""
-    out = RequestOutput(seq.req.request_id, new, delta, seq.tokens[seq.prompt_len:], text,
-                        finished, reason, seq.prompt_len, seq.spec, error, seq.k_now,
-                        seq.req.method, kind, cached_tokens=seq.reused,
-                        free_guesses=seq.free.drafted, free_accepted=seq.free.accepted)
+    out = RequestOutput(request_id=seq.req.request_id, new_token_ids=new, new_text=delta,
+                        token_ids=seq.tokens[seq.prompt_len:], text=text, finished=finished,
+                        finish_reason=reason, prompt_tokens=seq.prompt_len, spec=seq.spec,
+                        error=error, k=seq.k_now, method=seq.req.method, error_kind=kind,
+                        cached_tokens=seq.reused, free_guesses=seq.free.drafted,
+                        free_accepted=seq.free.accepted)
     if seq.req.params.logprobs is not None:
         out.logprobs = list(seq.logprobs) if finished else None  # the whole, once
         out.new_logprobs = seq.logprobs[len(seq.logprobs) - len(new):] if new else []

@@ -34,7 +34,7 @@ class Request:
     tenant: str | None = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]

@@ -30,7 +30,7 @@ class EngineConfig:
     prefix_cache: bool = True        # start a request from the longest cached prefix
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class StepRecord:
     """One step's timeline and what it carried: the policy fits its costs on it, metrics
     export it, and `bench served` breaks a request's time down with it."""
@@ -115,7 +115,8 @@ class Seq:
         return min(self.cached, len(self.tokens))
 
 
-# (engine, request, its counters, rows running, catchup=tokens the draft has not seen) -> k
+# (the engine as the policy sees it: policy/view.py, request, its counters, rows running,
+# catchup=tokens the draft has not seen) -> k
 KChooser = Callable[..., int]
 
 

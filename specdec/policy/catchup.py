@@ -5,8 +5,8 @@ cost it a prefill before its next guess, and that prefill delays every row of th
 
 from __future__ import annotations
 
+from specdec.policy.cost_model import CatchupCost, StepCostModel
 from specdec.policy.decide import Decision, Load
-from specdec.policy.measured_costs import CatchupCost, StepCostModel
 
 # A probe or an exploration must be able to repay the draft's catch-up if speculation turns
 # out to pay this much: it is run to find out, whatever the estimate says now.

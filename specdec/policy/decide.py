@@ -13,89 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from specdec.policy.cost_model import expected_tokens_per_round
-from specdec.policy.measured_costs import DraftCostModel, StepCostModel
+from specdec.policy.cost_model import DraftCostModel, StepCostModel, expected_tokens_per_round
 from specdec.policy.settings import PolicySettings
-
-
-class AcceptanceTracker:
-    """Per-token acceptance alpha per method: every drafted position up to and including the
-    first rejection is one Bernoulli trial (later guesses were never tested). Exponentially
-    decayed: older trials weigh less (half-life in trials, see PolicySettings)."""
-
-    def __init__(self, config: PolicySettings) -> None:
-        self.config = config
-        self.trials: dict[str, float] = {}
-        self.kept: dict[str, float] = {}
-        self.pos_drafted: dict[str, list[float]] = {}
-        self.pos_kept: dict[str, list[float]] = {}
-
-    def observe(self, method: str, accepted: int, rejections: int,
-                accepted_per_position: list[int] = (),
-                drafted_per_position: list[int] = ()) -> None:
-        """accepted guesses and rounds that ended in a rejection (each one more trial); per
-        position i, rounds that drafted a guess there and rounds that kept guesses 1..i."""
-        new_trials = accepted + rejections
-        keep = 0.5 ** (new_trials / self.config.acceptance_half_life) \
-            if self.config.acceptance_half_life else 1.0
-        self.trials[method] = keep * self.trials.get(method, 0.0) + new_trials
-        self.kept[method] = keep * self.kept.get(method, 0.0) + accepted
-        for counts, new in ((self.pos_drafted.setdefault(method, []), drafted_per_position),
-                            (self.pos_kept.setdefault(method, []), accepted_per_position)):
-            counts.extend([0.0] * (len(new) - len(counts)))
-            for i in range(len(counts)):
-                counts[i] = keep * counts[i] + (new[i] if i < len(new) else 0)
-
-    def curve(self, method: str, k_max: int) -> list[float]:
-        """r_i, i = 1..k_max: the chance that a round keeps its first i guesses. Measured per
-        position where rounds reached it, shrunk toward alpha^i (the i.i.d. model) with the
-        prior's weight, and never rising with i. Acceptance is bursty (easy stretches, hard
-        ones), so the measured curve falls off differently from alpha^i."""
-        a = self.alpha(method)
-        w = self.config.prior_weight
-        drafted = self.pos_drafted.get(method, [])
-        kept = self.pos_kept.get(method, [])
-        out, prev = [], 1.0
-        for i in range(1, k_max + 1):
-            d = drafted[i - 1] if i <= len(drafted) else 0
-            n = kept[i - 1] if i <= len(kept) else 0
-            r = min(prev, (n + w * a ** i) / (d + w))
-            out.append(r)
-            prev = r
-        return out
-
-    def alpha(self, method: str) -> float:
-        prior = dict(self.config.acceptance_prior).get(method, 0.5)
-        w = self.config.prior_weight
-        return (self.kept.get(method, 0.0) + prior * w) / (self.trials.get(method, 0.0) + w)
-
-
-class LengthEstimator:
-    """Completion length of finished requests, per prompt-length bucket (running mean)."""
-
-    def __init__(self, config: PolicySettings) -> None:
-        self.config = config
-        self.sum: dict[int, float] = {}
-        self.count: dict[int, int] = {}
-
-    def bucket(self, prompt_tokens: int) -> int:
-        for i, edge in enumerate(self.config.length_buckets):
-            if prompt_tokens <= edge:
-                return i
-        return len(self.config.length_buckets)
-
-    def observe(self, prompt_tokens: int, completion_tokens: int) -> None:
-        b = self.bucket(prompt_tokens)
-        self.sum[b] = self.sum.get(b, 0.0) + completion_tokens
-        self.count[b] = self.count.get(b, 0) + 1
-
-    def expected(self, prompt_tokens: int, max_tokens: int, has_stop: bool) -> float:
-        b = self.bucket(prompt_tokens)
-        if self.count.get(b):
-            learned = self.sum[b] / self.count[b]
-            return min(max_tokens, learned)
-        # Nothing learned yet: a stop string usually ends a reply early.
-        return max_tokens * (0.5 if has_stop else 1.0)
 
 
 @dataclasses.dataclass
@@ -117,7 +36,7 @@ class Load:
     pinned: int = 0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Decision:
     mode: str                  # "speculative" | "plain"
     method: str                # "draft" | "suffix" | "ngram" | "none"
@@ -130,6 +49,13 @@ class Decision:
     # A plain decision for lack of gain: the method the request takes up in a later round
     # if the batch's decision turns speculative (fewer rows, better acceptance).
     standby: str | None = None
+
+    @classmethod
+    def plain(cls, reason: str, why: str, expected_speedup: float = 1.0,
+              inputs: dict | None = None, standby: str | None = None) -> Decision:
+        return cls(mode="plain", method="none", k=0, reason=reason,
+                   expected_speedup=expected_speedup, inputs=inputs or {}, why=why,
+                   standby=standby)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -161,12 +87,11 @@ def decide(config: PolicySettings, methods: list[str], alpha: dict[str, float],
     plain only when no proposer is available."""
     inputs = _inputs(expected_tokens, load, alpha, curves)
     if not methods:
-        return Decision("plain", "none", 0, "no proposer available", 1.0, inputs,
-                        "no_proposer")
+        return Decision.plain("no proposer available", "no_proposer", inputs=inputs)
     if expected_tokens < config.min_expected_tokens and forced_k is None and not speculate:
-        return Decision("plain", "none", 0, f"short output expected ({expected_tokens:.0f} "
-                        f"< {config.min_expected_tokens} tokens)", 1.0, inputs,
-                        "short_output")
+        return Decision.plain(f"short output expected ({expected_tokens:.0f} "
+                              f"< {config.min_expected_tokens} tokens)", "short_output",
+                              inputs=inputs)
     ks = [forced_k] if forced_k is not None else list(range(1, config.k_max + 1))
     best = _best_round(config, [forced_method] if forced_method else methods, ks, alpha,
                        load, cost, draft_cost, curves, overlapped, inputs)
@@ -174,12 +99,12 @@ def decide(config: PolicySettings, methods: list[str], alpha: dict[str, float],
         best.why = "forced" if forced_k is not None else "request"
         return best
     if best.expected_speedup <= 1.0:
-        return Decision("plain", "none", 0, "no k beats plain decoding at this load and "
-                        f"acceptance (best: k {best.k}, {best.expected_speedup:.2f}x)",
-                        best.expected_speedup, inputs, "no_gain", best.method)
+        return Decision.plain("no k beats plain decoding at this load and acceptance "
+                              f"(best: k {best.k}, {best.expected_speedup:.2f}x)", "no_gain",
+                              best.expected_speedup, inputs, standby=best.method)
     if best.expected_speedup < config.min_speedup:
-        return Decision("plain", "none", 0, f"best speculation only {best.expected_speedup:.2f}x",
-                        best.expected_speedup, inputs, "no_gain", best.method)
+        return Decision.plain(f"best speculation only {best.expected_speedup:.2f}x", "no_gain",
+                              best.expected_speedup, inputs, standby=best.method)
     return best
 
 
@@ -222,9 +147,9 @@ def _best_round(config: PolicySettings, methods: list[str], ks: list[int],
             # Tokens per round of the whole batch over what its plain step makes (rows).
             s = (rows - drafting + drafting * per_row) / rows / round_cost
             if best is None or s > best.expected_speedup:
-                best = Decision("speculative", m, k, f"best expected goodput: {s:.2f}x plain "
-                                f"(alpha {alpha.get(m, 0.5):.2f}, c {c:.2f}, v {v:.2f})",
-                                s, inputs, "goodput")
+                best = Decision(mode="speculative", method=m, k=k, reason=(
+                    f"best expected goodput: {s:.2f}x plain (alpha {alpha.get(m, 0.5):.2f}, "
+                    f"c {c:.2f}, v {v:.2f})"), expected_speedup=s, inputs=inputs, why="goodput")
     return best
 
 

@@ -1,9 +1,9 @@
 """The policy as one engine runs it: decisions at admission from this engine's own live
 load, k revisited once per step, and every input measured on this engine.
 
-Why here and not in the HTTP router: with several engine replicas the router cannot know
-which replica a request lands on, so a decision from the router's view of "the" load is a
-decision on some other replica's load. The router passes what only it knows (the request's
+Why here and not in the HTTP ingress: with several engine replicas the ingress cannot know
+which replica a request lands on, so a decision from the ingress's view of "the" load is a
+decision on some other replica's load. The ingress passes what only it knows (the request's
 overrides, max_tokens, stop strings); the replica that will run the request decides.
 
 Measured inputs: the step cost (whole step minus drafting, per token count in the
@@ -14,7 +14,6 @@ curve) and completion lengths per prompt-length bucket, from served requests onl
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import math
@@ -23,26 +22,19 @@ import time
 
 from specdec.errors import EngineError
 from specdec.policy.catchup import CATCHUP_SAMPLE_MIN, catchup_refused
+from specdec.policy.cost_model import CatchupCost, DraftCostModel, StepCostModel
 from specdec.policy.decide import (
-    AcceptanceTracker,
     Decision,
-    LengthEstimator,
     Load,
     decide,
     revisit,
 )
-from specdec.policy.measured_costs import CatchupCost, DraftCostModel, StepCostModel
+from specdec.policy.estimators import AcceptanceTracker, LengthEstimator
+from specdec.policy.probes import Probe, Prober
 from specdec.policy.settings import PolicySettings
+from specdec.policy.view import EngineView
 
 log = logging.getLogger(__name__)
-
-# A shape never run live is probed this much more often than probe_interval_s (a tenth of
-# it): after a busy start every shape the batch does not run is priced by a calibration
-# known to be off, and one probe per interval took minutes of serving to measure the k_max
-# verify shapes; the first request or two ended before speculation was priced right. A
-# probe of a verify still emits the tokens it accepts, so this costs a step or two a second
-# at most, and only until each shape has been run once.
-UNMEASURED_GAP = 0.1
 
 
 @dataclasses.dataclass
@@ -66,15 +58,9 @@ class EnginePolicy:
         self.draft_round_cost.borrow = self.step_cost.calibration_error
         # The draft's catch-up on context it has not seen, per token (priced in specdec/policy/catchup.py).
         self.catchup_cost = CatchupCost()
-        # Probe steps (see _plan_probe): this step's, the last one's time, counts by shape.
-        self._probe: tuple[str, str, int] | None = None
-        self._last_probe = -math.inf
-        self._plain_turn = True  # a speculating batch alternates plain and verify probes
-        # A draft probe runs twice in a row: its first round also feeds the draft the
-        # context it missed while the rows ran plain, which is not what a round costs (and
-        # is not priced as one); the second round is the draft's clean cost.
-        self._probe_again: tuple[str, str, int] | None = None
-        self.probes: collections.Counter = collections.Counter()
+        # Steps that run a shape the batch would not, so its cost is measured (probes.py).
+        self.prober = Prober(self.config, clock)
+        self._probe: Probe | None = None  # this step's
         self._overlapped = False  # the engine drafts during verification (round cost max)
         self.draft_cost: float | None = None  # c as a moving average, for display/fallback
         self._step_seen = -1
@@ -98,8 +84,8 @@ class EnginePolicy:
                 why = self._catchup_refused(d, catchup, expected, self._load(load, joining=1),
                                             trial=d.why == "explore")
                 if why is not None:
-                    return Decision("plain", "none", 0, why, d.expected_speedup, d.inputs,
-                                    "catchup", standby=d.method)
+                    return Decision.plain(why, "catchup", d.expected_speedup, d.inputs,
+                                          standby=d.method)
             return d
 
     def _catchup_refused(self, d: Decision, catchup: int, expected: float, load: Load,
@@ -125,8 +111,7 @@ class EnginePolicy:
             raise EngineError(f"speculative.method {wanted.method!r} is not available "
                               f"(available: {methods})", param="speculative.method")
         if wanted.mode == "off":
-            return Decision("plain", "none", 0, "request asked for plain decoding", 1.0, {},
-                            "request")
+            return Decision.plain("request asked for plain decoding", "request")
         lw = self._load(load, joining=1)
         alpha = {m: self.acceptance.alpha(m) for m in methods}
         curves = {m: self.acceptance.curve(m, self.config.k_max) for m in methods}
@@ -134,9 +119,8 @@ class EnginePolicy:
             method = wanted.method or ("draft" if "draft" in methods else
                                        "ngram" if "ngram" in methods else None)
             if method is None:
-                return Decision("plain", "none", 0, "request asked for speculation, but no "
-                                f"proposer is available (available: {methods})", 1.0, {},
-                                "no_proposer")
+                return Decision.plain("request asked for speculation, but no proposer is "
+                                      f"available (available: {methods})", "no_proposer")
             # "on" means speculate, every round: the request's k, or the best k >= 1 even
             # below break-even (the engine holds every round of it to k >= 1).
             d = self._decide([method], alpha, math.inf, lw, curves, method, wanted.k,
@@ -202,7 +186,7 @@ class EnginePolicy:
 
     # ---- between rounds (Engine's choose_k hook) ---------------------------------------
 
-    def choose_k(self, engine, req, spec, running: int, catchup: int = 0) -> int:
+    def choose_k(self, engine: EngineView, req, spec, running: int, catchup: int = 0) -> int:
         """k for a running request's next round. The method-level answer depends only on
         the step's load, so it is computed once per step; a request's own acceptance moves
         it only through a coarse bucket (and drops it to plain when it collapsed). catchup:
@@ -216,23 +200,25 @@ class EnginePolicy:
                 alpha = {req.method: self.acceptance.alpha(req.method)}
                 curves = {req.method: self.acceptance.curve(req.method, self.config.k_max)}
                 d = self._decide([req.method], alpha, math.inf, load, curves, req.method, k)
-                probe = self._probe is not None and self._probe[2] == k
+                probed = self._probe is not None and self._probe.k == k
                 if self._catchup_refused(d, catchup, self._remaining(req, spec), load,
-                                         trial=probe):
+                                         trial=probed):
                     return 0
             return k
 
     def _choose_k(self, engine, req, spec) -> int:
         if engine.steps != self._step_seen:
             self._step_seen, self._k_cache = engine.steps, {}
-            self._overlapped = _overlapping(engine)  # admissions use it too
+            self._overlapped = engine.overlapped  # admissions use it too
             self._probe = self._plan_probe(engine.load())
-        if self._probe is not None:
-            _, method, k = self._probe
-            if k == 0 and not req.speculate:
+        probe = self._probe
+        # A probe overrides the policy's k for the rows that follow it: a plain step for all
+        # but those that asked for speculation, a verify of k for the rows of its method.
+        if probe is not None:
+            if probe.kind == "plain" and not req.speculate:
                 return 0
-            if k and req.method == method:
-                return k
+            if probe.kind == "verify" and req.method == probe.method:
+                return probe.k
         own = spec.policy_trials
         bucket = None
         if spec.rounds >= self.config.collapse_rounds and own:
@@ -250,82 +236,27 @@ class EnginePolicy:
                 overlapped=self._overlapped, speculate=req.speculate)
         return self._k_cache[key]
 
-    def probing(self) -> tuple[str, str, int] | None:
-        """This step's probe (see _plan_probe), or None."""
+    def probing(self) -> Probe | None:
+        """This step's probe (see probes.py), or None."""
         return self._probe
 
-    def _plan_probe(self, raw: dict) -> tuple[str, str, int] | None:
-        """A probe for this step, or None: ("verify", method, k) makes the rows that follow
-        the policy draft k although the batch would run plain; ("plain", "none", 0) makes a
-        speculating batch run one plain step. Only for a shape not run for real within
-        probe_interval_s, at most once per interval (a shape never run live: ten times as
-        often), and only while nothing waits: the calibration that priced it may have run
-        on a busy machine, and a batch that never runs a shape never learns what it costs
-        now. One step in an interval is the price."""
-        interval = self.config.probe_interval_s
-        now = self.clock()
-        again, self._probe_again = self._probe_again, None
-        if again is not None and not raw.get("waiting", 0):
-            return again
-        following = raw.get("following") or {}
-        since = now - self._last_probe
-        if not interval or since < interval * UNMEASURED_GAP or raw.get("waiting", 0) \
-                or not following:
-            return None
-        method = max(following, key=lambda m: (following[m], m == "draft"))
-        if method == "none":
-            return None
-        load = self._load(raw)
-        base = load.running + load.prefill_tokens
-        drafting = max(load.running - min(load.pinned, load.running - 1), 1)
+    @property
+    def probes(self):
+        """Probes run so far, by kind ("plain", "verify")."""
+        return self.prober.counts
 
-        def unmeasured(k: int) -> bool:
-            """Never run live: its cost is the calibration's alone."""
-            return self.step_cost.last_live_at(round(base + drafting * k)) is None or bool(
-                k and method == "draft"
-                and self.draft_round_cost.last_live((float(k), float(drafting))) is None)
+    def _plan_probe(self, raw: dict) -> Probe | None:
+        def shapes(method: str, load: Load, stale) -> list[Decision]:
+            """The batch's own decision, then every stale k's, for the prober to rank."""
+            alpha = {method: self.acceptance.alpha(method)}
+            curves = {method: self.acceptance.curve(method, self.config.k_max)}
+            batch = self._decide([method], alpha, math.inf, load, curves, method)
+            return [batch] + [self._decide([method], alpha, math.inf, load, curves, method, k)
+                              for k in range(1, self.config.k_max + 1)
+                              if k != batch.k and stale(k)]
 
-        full = since >= interval
-        if not full and not any(unmeasured(k) for k in range(self.config.k_max + 1)):
-            return None  # between intervals only shapes never measured are probed
-
-        def stale(k: int) -> bool:
-            return unmeasured(k) or (full and now - self.step_cost.last_live_at(
-                round(base + drafting * k)) >= interval)
-
-        probe = self._probe_shape(raw, method, load, stale)
-        if probe is not None:
-            self._last_probe = now
-            self.probes[probe[0]] += 1
-            if probe[0] == "verify" and probe[1] == "draft":
-                self._probe_again = probe
-            log.info("probing a %s step (method %s, k %d) at %d rows: its shape was %s",
-                     probe[0], probe[1], probe[2], load.running,
-                     f"not run for {interval:.0f} s" if full else "never run live")
-        return probe
-
-    def _probe_shape(self, raw: dict, method: str, load: Load,
-                     stale) -> tuple[str, str, int] | None:
-        """Which stale shape (stale(k): k = 0 is the plain step) to probe. The verify shapes
-        the batch does not run, best expected first: a plain batch probes the one that would
-        pay best if it was priced wrong; a speculating batch takes turns between that and a
-        plain step (is plain still slower?)."""
-        alpha = {method: self.acceptance.alpha(method)}
-        curves = {method: self.acceptance.curve(method, self.config.k_max)}
-        batch = self._decide([method], alpha, math.inf, load, curves, method)
-        options = sorted((self._decide([method], alpha, math.inf, load, curves, method, k)
-                          for k in range(1, self.config.k_max + 1)
-                          if k != batch.k and stale(k)),
-                         key=lambda d: -d.expected_speedup)
-        plain_ok = batch.k and not raw.get("speculating_on_request") and stale(0)
-        probe = None
-        if plain_ok and (self._plain_turn or not options):
-            probe = ("plain", "none", 0)
-        elif options:
-            probe = ("verify", method, options[0].k)
-        if batch.k:
-            self._plain_turn = probe is not None and probe[0] == "verify"
-        return probe
+        return self.prober.plan(raw, self._load(raw), self.step_cost, self.draft_round_cost,
+                                shapes)
 
     # ---- observations ----------------------------------------------------------------
 
@@ -436,9 +367,3 @@ class EnginePolicy:
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(1000 * seconds, 1)
 
-
-def _overlapping(engine) -> bool:
-    """Whether the engine drafts during verification now (on, or auto having chosen it)."""
-    mode = getattr(engine, "overlap", "off")
-    chooser = getattr(engine, "overlap_chooser", None)
-    return mode == "on" or (chooser is not None and bool(chooser.choice))

@@ -489,7 +489,7 @@ def test_bench_serve_sweeps_the_three_policies(server, tmp_path):
     rows = json.loads(out.read_text())
     levels = {(r["policy"], r["clients"]): r for r in rows
               if "policy" in r and r["temperature"] == 0}
-    assert set(levels) == {(p, c) for p in ("plain", "speculative", "router") for c in (1, 2)}
+    assert set(levels) == {(p, c) for p in ("plain", "speculative", "auto") for c in (1, 2)}
     sampled = [r for r in rows if r.get("temperature") == 0.7]
     assert len(sampled) == 6 and all(r["errors"] == 0 for r in sampled)
     assert levels[("speculative", 1)]["predicted_speedup"] > 0
@@ -510,8 +510,8 @@ def test_bench_serve_sweeps_the_three_policies(server, tmp_path):
     assert len(runs) == 2 * 2 * 2 * 3
     first = [(x["policy"], x["repeat"]) for x in runs
              if x["temperature"] == 0 and x["clients"] == 1]
-    assert first == [("plain", 0), ("speculative", 0), ("router", 0),
-                     ("speculative", 1), ("router", 1), ("plain", 1)]
+    assert first == [("plain", 0), ("speculative", 0), ("auto", 0),
+                     ("speculative", 1), ("auto", 1), ("plain", 1)]
     for (policy, clients), r in levels.items():
         mine = sorted(x["output_tokens_per_s"] for x in runs if x["temperature"] == 0
                       and x["policy"] == policy and x["clients"] == clients)

@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-from specdec.policy.cost_model import expected_tokens_per_round
-from specdec.policy.decide import (
-    AcceptanceTracker,
-    DraftCostModel,
-    LengthEstimator,
-    Load,
-    StepCostModel,
-    decide,
-    revisit,
-)
+from specdec.policy.cost_model import DraftCostModel, StepCostModel, expected_tokens_per_round
+from specdec.policy.decide import Load, decide, revisit
 from specdec.policy.engine_policy import EnginePolicy
+from specdec.policy.estimators import AcceptanceTracker, LengthEstimator
 from specdec.policy.settings import PolicySettings
 
 CFG = PolicySettings()
@@ -205,8 +198,10 @@ def test_after_an_outage_the_policy_explores_and_speculates_again():
         spec = SpecCounters()
         for _ in range(rounds):
             spec.record_round(4, kept_per_round, kept_per_round + 1)
-        policy.observe_finished(RequestOutput("r", [], "", [1] * 50, "", True, "length", 10,
-                                              spec, method="draft"))
+        policy.observe_finished(RequestOutput(
+            request_id="r", new_token_ids=[], new_text="", token_ids=[1] * 50, text="",
+            finished=True, finish_reason="length", prompt_tokens=10, spec=spec,
+            method="draft"))
 
     for _ in range(40):
         finish(0, 10)                     # nothing kept

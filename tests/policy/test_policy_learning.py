@@ -57,11 +57,12 @@ def calibrate(policy: EnginePolicy, step, draft) -> None:
 
 
 class OneRowEngine:
-    """The engine as the policy sees it: one running request that follows the policy."""
+    """The engine as the policy sees it (policy/view.py's EngineView: steps, load,
+    overlapped): one running request that follows the policy."""
 
     def __init__(self) -> None:
         self.steps = 0
-        self.overlap, self.overlap_chooser = "off", None
+        self.overlapped = False
         self.req = Request("r", [1, 2, 3], greedy(10_000), "draft", 0)
         self.spec = SpecCounters()
         # Tokens of the row, and how many of them the draft has seen: a draft round after
@@ -299,7 +300,9 @@ def test_a_reply_cut_at_max_tokens_does_not_make_later_ones_short():
     light = {"running": 0, "waiting": 0, "free_slots": 8}
 
     def finished(n: int, reason: str) -> RequestOutput:
-        return RequestOutput("x", [], "", list(range(n)), "", True, reason, 20, SpecCounters())
+        return RequestOutput(request_id="x", new_token_ids=[], new_text="",
+                             token_ids=list(range(n)), text="", finished=True,
+                             finish_reason=reason, prompt_tokens=20, spec=SpecCounters())
 
     policy.observe_finished(finished(4, "length"))
     assert policy.admit(light, ["draft"], 20, 96, False, Overrides()).why != "short_output"
