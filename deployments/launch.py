@@ -19,8 +19,8 @@ from specdec.engine.spec import EngineSpec
 from specdec.ports import free_port
 
 # Ray Serve's own upkeep, slowed down for small machines: its controller's control loop and
-# the replicas' metric exports run every 0.1 s, a visible share of a 2-core box, and the
-# engine's OpenMP regions stall whenever one of their threads is preempted. `make serve`
+# the replicas' metric exports run every 0.1 s by default, a visible share of a few cores,
+# and the engine's OpenMP regions stall whenever one of their threads is preempted. `make serve`
 # sets the same (docs/tuning-cpu.md).
 # And Ray starts its worker processes (our target and draft shards among them) at nice 15:
 # beside anything at the default priority (a build, a test run) the shards then get a few

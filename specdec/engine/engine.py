@@ -16,9 +16,17 @@ from collections.abc import Callable, Iterable
 
 from specdec.engine.output import apply_result, make_output
 from specdec.engine.planner import Plan, attach_histories, plan_step
+from specdec.engine.record import record_step
 from specdec.engine.request import Request, RequestOutput
 from specdec.engine.scheduler import Scheduler
-from specdec.engine.state import EngineConfig, KChooser, Seq, StepRecord, load_report
+from specdec.engine.state import (
+    EngineConfig,
+    KChooser,
+    Seq,
+    StepRecord,
+    StepRun,
+    load_report,
+)
 from specdec.engine.stop import Detokenizer
 from specdec.errors import EngineError, ErrorKind, TargetLost
 from specdec.model.step.grammar import GrammarSpec, GrammarState, grammar_error
@@ -26,7 +34,7 @@ from specdec.model.step.prefix_cache import Choice
 from specdec.model.step.static_step import graph_builds
 from specdec.policy.view import EngineView
 from specdec.spec_decode.counters import SpecCounters
-from specdec.spec_decode.overlap import OverlapChooser, settle, use_overlap
+from specdec.spec_decode.overlap import OverlapChooser, Settled, settle, use_overlap
 from specdec.spec_decode.proposal import Proposal, Proposer, draft_held_prefix
 from specdec.spec_decode.target_runner import TargetResult, TargetRunner
 
@@ -184,13 +192,36 @@ class Engine:
                            self.target)
 
     def _step(self, outputs: list[RequestOutput]) -> None:
+        """Plan (each row's k, the proposers' guesses, the ragged batch), run (the target's
+        forward, the draft's window beside it under overlap, settled after), apply (tokens
+        emitted, outputs), then one record of it all."""
         t_start = time.perf_counter()
-        rec = StepRecord(rows=0, tokens=0, draft_s=0.0, verify_s=0.0)
         builds = self._graph_builds()
-        rec.overlapped = self._use_overlap()
-        if rec.overlapped != self._last_mode and self.on_mode is not None:
-            self.on_mode(rec.overlapped)
-        self._last_mode = rec.overlapped
+        plan = self._plan(self._overlap_for_step())
+        run = self._run(plan)
+        t_apply = time.perf_counter()
+        self.steps += 1
+        graph_built = self._graph_builds() != builds
+        emitted = self._apply(plan, run, outputs)
+        rec = record_step(plan, run, emitted, t_start, t_apply, graph_built)
+        self.history.append(rec)
+        # A sequential step whose drafting rows the suffix index all led is still a
+        # speculative step (led rounds are what sequential steps can do and overlapped
+        # ones cannot): the overlap chooser must see it.
+        drafted = rec.draft_rows or plan.led or any(not w.catchup_only for w in plan.windows)
+        if self.overlap_chooser is not None and drafted and not rec.graph_built:
+            self.overlap_chooser.observe(rec.overlapped, rec.step_s, rec.emitted)
+
+    def _overlap_for_step(self) -> bool:
+        """Whether the draft drafts during this step's verification; observers hear when
+        that changes."""
+        overlapped = self._use_overlap()
+        if overlapped != self._last_mode and self.on_mode is not None:
+            self.on_mode(overlapped)
+        self._last_mode = overlapped
+        return overlapped
+
+    def _plan(self, overlapped: bool) -> Plan:
         decode = [s for s in self._running.values() if s.cached >= s.prompt_len]
         prefill = [s for s in self._running.values() if s.cached < s.prompt_len]
         for seq in prefill:
@@ -200,48 +231,16 @@ class Engine:
         probing = bool(self.probing and self.probing())  # after k_for: it plans the probe
         for seq in decode:
             seq.k_free = self._k_free(seq, len(seq.tokens) - seq.cached) \
-                if not seq.k_now or self._suffix_may_lead(seq, rec.overlapped, probing) \
-                else 0
-        plan = plan_step(decode, prefill, rec, self.proposers, self.target.max_len,
+                if not seq.k_now or self._suffix_may_lead(seq, overlapped, probing) else 0
+        plan = plan_step(decode, prefill, overlapped, self.proposers, self.target.max_len,
                          self.config, self.totals)
         attach_histories(plan.rows, self._running, self.eos_ids)
-        results, window = self._verify(plan, rec)
-        resolved, heads, window_out = settle(self.proposers.get("draft"), self.target,
-                                              window, plan.windows, results, rec)
-        t2 = time.perf_counter()
-        self._record(plan, rec)
-        rec.graph_built = self._graph_builds() != builds
-        by_id = {r.seq_id: r for r in results}
-        for row in plan.rows:
-            seq = self._running[row.seq_id]
-            if not row.sample:
-                seq.cached += len(row.tokens)
-                continue
-            if plan.num_draft.get(row.seq_id, 0):
-                seq.spec.draft_s += rec.draft_s
-            seq.spec.verify_s += rec.verify_s
-            res = by_id[row.seq_id]
-            if res.error is not None:  # this row alone failed; the others go on
-                outputs.append(self._finish(seq, "error", error=res.error,
-                                            kind=ErrorKind.INTERNAL))
-                continue
-            settled = self._settled(seq, res, resolved, heads, window_out)
-            rec.emitted += len(res.tokens) + (1 if settled else 0)
-            outputs.append(self._advance(seq, row, res, settled, row.seq_id in plan.free))
-        rec.end = time.perf_counter()
-        rec.post_s, rec.step_s = rec.end - t2, rec.end - t_start
-        self.history.append(rec)
-        # A sequential step whose drafting rows the suffix index all led is still a
-        # speculative step (led rounds are what sequential steps can do and overlapped
-        # ones cannot): the overlap chooser must see it.
-        drafted = rec.draft_rows or plan.led or any(not w.catchup_only for w in plan.windows)
-        if self.overlap_chooser is not None and drafted \
-                and not rec.graph_built:
-            self.overlap_chooser.observe(rec.overlapped, rec.step_s, rec.emitted)
+        return plan
 
-    def _verify(self, plan: Plan, rec: StepRecord):
+    def _run(self, plan: Plan) -> StepRun:
         """The target's forward over the plan's rows, the draft's window (overlap) running
-        beside it; a failed forward never leaves the draft computing into the next step."""
+        beside it and settled after; a failed forward never leaves the draft computing into
+        the next step."""
         t0 = time.perf_counter()
         window = None
         if plan.windows:  # the draft starts now and works while the target verifies
@@ -259,40 +258,55 @@ class Engine:
                 except Exception:  # noqa: BLE001 - the step's failure is what matters
                     pass
             raise
-        rec.verify_s = time.perf_counter() - t0
-        return results, window
+        verify_s = time.perf_counter() - t0
+        call = self.target.last_call
+        settled = settle(self.proposers.get("draft"), self.target, window, plan.windows,
+                         results)
+        return StepRun(results=results, settled=settled, verify_s=verify_s,
+                       target_compute_s=call.compute_s if call else verify_s,
+                       target_bytes=call.bytes if call else 0)
+
+    def _apply(self, plan: Plan, run: StepRun, outputs: list[RequestOutput]) -> int:
+        """Each row's tokens into its sequence, its output into outputs; the tokens the
+        decode rows emitted."""
+        emitted = 0
+        by_id = {r.seq_id: r for r in run.results}
+        draft_s = plan.drafting.draft_s + run.settled.draft_s
+        for row in plan.rows:
+            seq = self._running[row.seq_id]
+            if not row.sample:
+                seq.cached += len(row.tokens)
+                continue
+            if plan.num_draft.get(row.seq_id, 0):
+                seq.spec.draft_s += draft_s
+            seq.spec.verify_s += run.verify_s
+            res = by_id[row.seq_id]
+            if res.error is not None:  # this row alone failed; the others go on
+                outputs.append(self._finish(seq, "error", error=res.error,
+                                            kind=ErrorKind.INTERNAL))
+                continue
+            settled = self._settled(seq, res, run.settled)
+            emitted += len(res.tokens) + (1 if settled else 0)
+            outputs.append(self._advance(seq, row, res, settled, row.seq_id in plan.free))
+        return emitted
 
     def _graph_builds(self) -> tuple[int, ...]:
         return (graph_builds(self.target), *(graph_builds(p) for p in self.proposers.values()))
 
-    def _record(self, plan: Plan, rec: StepRecord) -> None:
-        """What the step carried, for the policy's cost fits and the timeline."""
-        call = self.target.last_call
-        rec.target_compute_s = call.compute_s if call else rec.verify_s
-        rec.target_bytes = call.bytes if call else 0
-        rec.rows, rec.tokens = len(plan.rows), sum(len(r.tokens) for r in plan.rows)
-        rec.prefill_tokens = sum(len(r.tokens) for r in plan.rows
-                                 if r.seq_id not in plan.num_draft)
-        if not plan.windows:  # (overlap: settle recorded how far the draft got instead)
-            rec.max_k = max(plan.num_draft.values(), default=0)
-            drafted = [n for n in plan.num_draft.values() if n]
-            rec.mean_k = sum(drafted) / len(drafted) if drafted else 0.0
-        self.steps += 1
-
     @staticmethod
-    def _settled(seq: Seq, res: TargetResult, resolved, heads, window_out):
+    def _settled(seq: Seq, res: TargetResult, window: Settled):
         """Overlap: the row's settled next token, whether the draft offered a head guess
         and whether it was kept; the rest of the draft's window waits for the next step."""
         if not res.deferred:
             seq.ahead = None
             return None
-        r = resolved[seq.req.request_id]
-        prop = window_out.get(seq.req.request_id)
+        r = window.resolved[seq.req.request_id]
+        prop = window.proposals.get(seq.req.request_id)
         seq.ahead = Proposal(prop.token_ids[1:],
                              None if prop.q_ids is None else prop.q_ids[1:],
                              None if prop.q_probs is None else prop.q_probs[1:]) \
             if r.accepted and prop is not None and len(prop.token_ids) > 1 else None
-        return r.token, heads.get(seq.req.request_id) is not None, r.accepted
+        return r.token, window.heads.get(seq.req.request_id) is not None, r.accepted
 
     def _start(self, req: Request, choice: Choice) -> Seq:
         """A running sequence in the chosen slot, starting from the prefix it holds (or will

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import time
 
-from specdec.engine.state import EngineConfig, Seq, StepRecord
+from specdec.engine.state import EngineConfig, Seq
 from specdec.model.step.logits_process import history_of, needs_history
 from specdec.spec_decode.counters import SpecCounters
 from specdec.spec_decode.proposal import Proposal, ProposeInput, Proposer
@@ -22,13 +22,35 @@ from specdec.spec_decode.target_runner import TargetRow
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
+class Drafting:
+    """What planning and the proposers' calls took, as the step's record reports it."""
+    plan_s: float = 0.0          # choosing what to ask, before any proposer runs
+    draft_s: float = 0.0         # all proposers (and a prompt catch-up), wall time
+    draft_compute_s: float = 0.0  # the same inside the proposers' processes
+    draft_bytes: int = 0         # bytes crossing to and from the draft
+    # The draft model's own round: rows it drafted for, the largest k, its time.
+    draft_rows: int = 0
+    draft_k: int = 0
+    draft_model_s: float = 0.0
+    # Context a drafted row's draft caught up on first: the most of one row, and summed.
+    draft_catchup: int = 0
+    draft_catchup_total: int = 0
+    # Sequential steps: prompt chunks the draft took in beside the target's prefill.
+    prompt_catchup: int = 0
+    prompt_catchup_rows: int = 0
+    prompt_catchup_s: float = 0.0
+
+
+@dataclasses.dataclass(kw_only=True)
 class Plan:
     rows: list[TargetRow]
     num_draft: dict[str, int]      # guesses verified per decode row
     windows: list[ProposeInput]    # what the draft drafts during the target's step
     free: set[str] = dataclasses.field(default_factory=set)  # rows verifying free guesses
     led: set[str] = dataclasses.field(default_factory=set)  # drafting rows the index led
+    overlapped: bool = False       # the draft drafts during the target's step
+    drafting: Drafting = dataclasses.field(default_factory=Drafting)
 
 
 @dataclasses.dataclass
@@ -40,35 +62,37 @@ class _Asks:
     lead: list[ProposeInput] = dataclasses.field(default_factory=list)  # drafting rows'
 
 
-def plan_step(decode: list[Seq], prefill: list[Seq], rec: StepRecord,
+def plan_step(decode: list[Seq], prefill: list[Seq], overlapped: bool,
               proposers: dict[str, Proposer], max_len: int, config: EngineConfig,
               totals: dict[str, SpecCounters]) -> Plan:
-    """The step's rows. Each decode row's k_now is already chosen. Fills the planning and
-    drafting parts of rec."""
+    """The step's rows, with the guesses the proposers made for them (and what that took).
+    Each decode row's k_now is already chosen."""
+    work = Drafting()
     t_plan = time.perf_counter()
-    asks = _asks(decode, rec, max_len)
+    asks = _asks(decode, overlapped, work, max_len)
     t0 = time.perf_counter()
-    rec.plan_s = t0 - t_plan
+    work.plan_s = t0 - t_plan
     by_id = {seq.req.request_id: seq for seq in decode}
     led = _suffix_leads(asks, proposers.get("suffix"), by_id)
-    _mark_draft_seen(asks.by_method.get("draft", []), by_id, rec)
-    proposals, failed = _propose(asks.by_method, proposers, rec)
+    _mark_draft_seen(asks.by_method.get("draft", []), by_id, work)
+    proposals, failed = _propose(asks.by_method, proposers, work)
     proposals.update(led)
     free = _free_guesses(asks.free, proposers.get("suffix"), proposals) | set(led)
-    rec.draft_s = time.perf_counter() - t0
+    work.draft_s = time.perf_counter() - t0
     rows, num_draft = _decode_rows(decode, asks.ahead, proposals, failed, totals)
     rows += _prefill_rows(prefill, config, sum(len(r.tokens) for r in rows))
     draft = proposers.get("draft")
-    if rec.overlapped:  # hidden: the draft prefills on its own compute beside the target
+    if overlapped:  # hidden: the draft prefills on its own compute beside the target
         asks.windows += _prefill_catchups(prefill, rows, True)
     elif draft is not None and draft.available:
         catchups = _prefill_catchups(prefill, rows, False)
-        if catchups and not _catch_up(draft, catchups, rec):
+        if catchups and not _catch_up(draft, catchups, work):
             # Not caught up after all: the first round catches up (and is priced so).
             by_id = {seq.req.request_id: seq for seq in prefill}
             for i in catchups:
                 by_id[i.seq_id].draft_seen = len(i.context) - i.catchup
-    return Plan(rows, num_draft, asks.windows, free, set(led))
+    return Plan(rows=rows, num_draft=num_draft, windows=asks.windows, free=free, led=set(led),
+                overlapped=overlapped, drafting=work)
 
 
 def attach_histories(rows: list[TargetRow], running: dict[str, Seq], eos_ids) -> None:
@@ -128,27 +152,27 @@ def _suffix_leads(asks: _Asks, suffix, by_id: dict[str, Seq]) -> dict[str, Propo
 
 
 def _mark_draft_seen(drafting: list[ProposeInput], by_id: dict[str, Seq],
-                     rec: StepRecord) -> None:
+                     work: Drafting) -> None:
     """The rows the draft drafts for this step: what it catches up on first (priced by the
     policy as a catch-up, not a round's cost), and where it will have caught up to."""
     for i in drafting:
         seq = by_id[i.seq_id]
-        rec.draft_catchup = max(rec.draft_catchup, len(seq.tokens) - seq.draft_seen)
-        rec.draft_catchup_total += len(seq.tokens) - seq.draft_seen
+        work.draft_catchup = max(work.draft_catchup, len(seq.tokens) - seq.draft_seen)
+        work.draft_catchup_total += len(seq.tokens) - seq.draft_seen
         seq.draft_seen = len(seq.tokens)
 
 
-def _asks(decode: list[Seq], rec: StepRecord, max_len: int) -> _Asks:
+def _asks(decode: list[Seq], overlapped: bool, work: Drafting, max_len: int) -> _Asks:
     """What each proposer is asked this step, and what the draft drafts meanwhile."""
     out = _Asks(collections.defaultdict(list), [], {})
     for seq in decode:
         rid, method = seq.req.request_id, seq.req.method
         # A row asking for log-probabilities drafts before the step instead: a deferred
         # position's token is settled after the forward, without its logits.
-        ahead_of_step = rec.overlapped and method == "draft" and bool(seq.k_now) \
+        ahead_of_step = overlapped and method == "draft" and bool(seq.k_now) \
             and seq.req.params.logprobs is None and seq.grammar is None
         if ahead_of_step:
-            rec.draft_catchup = max(rec.draft_catchup, len(seq.tokens) - seq.draft_seen)
+            work.draft_catchup = max(work.draft_catchup, len(seq.tokens) - seq.draft_seen)
             seq.draft_seen = len(seq.tokens)
         if ahead_of_step:
             # This step verifies the guesses drafted during the last one; the draft goes on
@@ -176,7 +200,7 @@ def _asks(decode: list[Seq], rec: StepRecord, max_len: int) -> _Asks:
 
 
 def _propose(asks: dict[str, list[ProposeInput]], proposers: dict[str, Proposer],
-             rec: StepRecord) -> tuple[dict[str, Proposal], set[str]]:
+             work: Drafting) -> tuple[dict[str, Proposal], set[str]]:
     """Each proposer's guesses, one batched call each; the methods that failed outright."""
     proposals: dict[str, Proposal] = {}
     failed: set[str] = set()
@@ -192,11 +216,11 @@ def _propose(asks: dict[str, list[ProposeInput]], proposers: dict[str, Proposer]
         proposals.update({i.seq_id: p for i, p in zip(inputs, got, strict=False)})
         spent = time.perf_counter() - t
         call = proposer.last_call
-        rec.draft_compute_s += call.compute_s if call else spent
-        rec.draft_bytes += call.bytes if call else 0
+        work.draft_compute_s += call.compute_s if call else spent
+        work.draft_bytes += call.bytes if call else 0
         if method == "draft" and got:
-            rec.draft_rows, rec.draft_k = len(inputs), max(i.k for i in inputs)
-            rec.draft_model_s = spent
+            work.draft_rows, work.draft_k = len(inputs), max(i.k for i in inputs)
+            work.draft_model_s = spent
     return proposals, failed
 
 
@@ -283,7 +307,7 @@ def _prefill_catchups(prefill: list[Seq], rows: list[TargetRow], overlapped: boo
     return out
 
 
-def _catch_up(draft: Proposer, catchups: list[ProposeInput], rec: StepRecord) -> bool:
+def _catch_up(draft: Proposer, catchups: list[ProposeInput], work: Drafting) -> bool:
     """Sequential steps: the draft prefills the prompt chunks before the target's step, in
     one batched call whose one guess per row is dropped. Timed apart from the decode rows'
     draft call (prompt_catchup_s, not draft_model_s): the policy learns a catch-up's
@@ -297,10 +321,10 @@ def _catch_up(draft: Proposer, catchups: list[ProposeInput], rec: StepRecord) ->
         return False
     spent = time.perf_counter() - t
     call = draft.last_call
-    rec.draft_compute_s += call.compute_s if call else spent
-    rec.draft_bytes += call.bytes if call else 0
-    rec.draft_s += spent
-    rec.prompt_catchup_s = spent
-    rec.prompt_catchup = sum(i.catchup for i in catchups)
-    rec.prompt_catchup_rows = len(catchups)
+    work.draft_compute_s += call.compute_s if call else spent
+    work.draft_bytes += call.bytes if call else 0
+    work.draft_s += spent
+    work.prompt_catchup_s = spent
+    work.prompt_catchup = sum(i.catchup for i in catchups)
+    work.prompt_catchup_rows = len(catchups)
     return True

@@ -13,7 +13,9 @@ from specdec.engine.stop import Detokenizer
 from specdec.model.step.grammar import GrammarState
 from specdec.spec_decode.counters import SpecCounters
 from specdec.spec_decode.logprobs import TokenLogprob
+from specdec.spec_decode.overlap import Settled
 from specdec.spec_decode.proposal import Proposal
+from specdec.spec_decode.target_runner import TargetResult
 
 # Defaults of the engine's limits, shared with EngineSpec (the validated config).
 MAX_TOKENS_PER_STEP = 512
@@ -113,6 +115,17 @@ class Seq:
         """Tokens whose K/V the target's slot holds for this sequence: the first `cached`
         (a stop string may cut output the cache already holds: only tokens kept count)."""
         return min(self.cached, len(self.tokens))
+
+
+@dataclasses.dataclass(kw_only=True)
+class StepRun:
+    """What running a step's plan gave: the target's results per row, the draft's window
+    settled (overlap; empty otherwise), and the target call's times and bytes."""
+    results: list[TargetResult]
+    settled: Settled
+    verify_s: float          # the target call, wall time seen by the engine
+    target_compute_s: float  # the same inside the target's processes
+    target_bytes: int
 
 
 # (the engine as the policy sees it: policy/view.py, request, its counters, rows running,

@@ -24,7 +24,7 @@ so (compute-bound verifies suffer more than memory-bound plain steps). So:
   calibration was off at the nearest shape measured both ways (a uniformly busy start is
   corrected by the first live step of any shape);
 - `last_live(shape)` says when a shape was last run for real, so the policy can probe a
-  shape the batch does not run (specdec/policy/engine_policy.py) instead of trusting its prior.
+  shape the batch does not run (specdec/policy/probes.py) instead of trusting its prior.
 """
 
 from __future__ import annotations

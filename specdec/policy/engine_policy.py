@@ -151,8 +151,7 @@ class EnginePolicy:
     def _could_pay(self, methods, expected, load) -> bool:
         """Whether speculation would pay at this load with a draft that is nearly always
         right. If not, the load alone rules it out, and exploring would only cost: every
-        explored row lengthens a verify that the whole batch waits for (at 16 clients on 2
-        cores, 6-9% of the requests exploring)."""
+        explored row lengthens a verify that the whole batch waits for."""
         sure = {m: 0.95 for m in methods}
         curves = {m: [0.95 ** i for i in range(1, self.config.k_max + 1)] for m in methods}
         return self._decide(methods, sure, expected, load, curves).mode == "speculative"
@@ -314,8 +313,8 @@ class EnginePolicy:
     def _observe_finished(self, out) -> None:
         if out.finish_reason == "stop":
             # Only a reply that ended by itself says how long replies run. One cut at its
-            # max_tokens says "at least this long": taken as the length, a 4-token request
-            # made every later request of its prompt length "short" (plain, 4 < 12 tokens).
+            # max_tokens says "at least this long", not how long: taken as the length, short
+            # max_tokens would make later requests of its prompt length look short.
             self.lengths.observe(out.prompt_tokens, len(out.token_ids))
         if out.method != "none":
             s = out.spec

@@ -130,11 +130,28 @@ class OverlapChooser:
             self.choice = ovl < seq
 
 
-def settle(draft, target, window, windows: list[ProposeInput], results: list, rec):
+@dataclasses.dataclass(kw_only=True)
+class Settled:
+    """The draft's window after the target's step: each deferred position's resolution,
+    the head guesses it was settled against, the window's proposals by row, and what it
+    took (the draft's time not hidden by the target, the resolve call)."""
+    resolved: dict = dataclasses.field(default_factory=dict)
+    heads: dict[str, Head] = dataclasses.field(default_factory=dict)
+    proposals: dict[str, Proposal] = dataclasses.field(default_factory=dict)
+    draft_s: float = 0.0
+    draft_compute_s: float = 0.0
+    draft_bytes: int = 0
+    mean_k: float = 0.0          # guesses per drafting row the window made
+    max_k: int = 0
+    resolve_s: float = 0.0
+
+
+def settle(draft, target, window, windows: list[ProposeInput], results: list) -> Settled:
     """Overlap: stop the draft, take its guesses, settle each deferred position against
-    its row's head guess. Returns (resolved, heads, window proposals by row)."""
+    its row's head guess."""
+    out = Settled()
     if not windows:
-        return {}, {}, {}
+        return out
     # (A window that only caught the draft up on a prompt has nothing to settle.)
     t0 = time.perf_counter()
     proposals: dict[str, Proposal] = {}
@@ -147,14 +164,13 @@ def settle(draft, target, window, windows: list[ProposeInput], results: list, re
             log.warning("draft window failed (%s); settling plainly", exc)
         call = draft.last_call
         if call is not None:
-            rec.draft_compute_s += call.compute_s
-            rec.draft_bytes += call.bytes
-    rec.draft_s += time.perf_counter() - t0  # the draft's time not hidden by the target
+            out.draft_compute_s, out.draft_bytes = call.compute_s, call.bytes
+    out.draft_s = time.perf_counter() - t0  # the draft's time not hidden by the target
     catchups = {i.seq_id for i in windows if i.catchup_only}
     guessed = [len(p.token_ids) for rid, p in proposals.items()
                if p.token_ids and rid not in catchups]
-    rec.mean_k = sum(guessed) / len(guessed) if guessed else 0.0
-    rec.max_k = max(guessed, default=0)
+    out.mean_k = sum(guessed) / len(guessed) if guessed else 0.0
+    out.max_k = max(guessed, default=0)
     heads: dict[str, Head | None] = {}
     for res in results:
         if not res.deferred:
@@ -167,9 +183,11 @@ def settle(draft, target, window, windows: list[ProposeInput], results: list, re
                                      None if prop.q_ids is None else prop.q_ids[0],
                                      None if prop.q_probs is None else prop.q_probs[0])
     t1 = time.perf_counter()
-    resolved = target.resolve(heads) if heads else {}
-    rec.resolve_s = time.perf_counter() - t1
-    return resolved, {k: v for k, v in heads.items() if v is not None}, proposals
+    out.resolved = target.resolve(heads) if heads else {}
+    out.resolve_s = time.perf_counter() - t1
+    out.heads = {k: v for k, v in heads.items() if v is not None}
+    out.proposals = proposals
+    return out
 
 
 def use_overlap(mode: str, chooser: OverlapChooser | None, draft, target) -> bool:

@@ -1,11 +1,11 @@
 """A GGUF file's header, read without decoding what loading a model never uses.
 
 The `gguf` package's reader builds numpy views for every part of every field, one per
-element of an array: a Qwen2.5 file's tokenizer holds 151,665 tokens and 151,387 merges, so
-it made ~455,000 parts and took ~6 s of a 36 s load of the 1.5B target (and as much again
-for the draft, in every rebuild after a lost worker). Here scalars are decoded, numeric
-arrays are numpy views of the memory map, and string arrays are skipped by their lengths
-and decoded only if asked for. Tensor data stays in the memory map.
+element of an array, and a tokenizer's vocabulary and merges are arrays of hundreds of
+thousands of strings: a load (and every rebuild after a lost worker) would pay for them.
+Here scalars are decoded, numeric arrays are numpy views of the memory map, and string
+arrays are skipped by their lengths and decoded only if asked for. Tensor data stays in
+the memory map.
 
 Layout (little-endian, GGUF v2/v3): magic "GGUF", u32 version, u64 tensor count, u64 field
 count; fields as (string key, u32 type, value); tensor infos as (string name, u32 n_dims,

@@ -1,8 +1,7 @@
 """int8 weights x int8 activations with one activation scale per row: batch-independent.
 
 FBGEMM's dynamic int8 linear quantizes a whole batch with one activation scale, so a row's
-result moves when other rows join it (17% of its magnitude in a probe), which a target must
-never allow. Here every row is divided by its own absmax first and the kernel is handed a
+result moves when other rows join it, which a target must never allow. Here every row is divided by its own absmax first and the kernel is handed a
 fixed scale of 1, so its u8 x s8 products accumulate in int32 (exact, in any order) and
 the row's scale is multiplied back afterwards: every step of a row's arithmetic sees that
 row alone. The kernel is FBGEMM's static quantized linear with an fp32 output

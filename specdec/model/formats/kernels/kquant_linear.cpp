@@ -4,10 +4,10 @@
 //
 // Why a kernel of our own: a CPU decode step reads every weight once, so its time is the
 // weights' bytes over the memory bandwidth. Q4_K is 4.5 bits a weight and Q6_K 6.6 against
-// int8's 8, and torch has no CPU kernel that reads them at int8's speed (its int4 kernels
-// measured 1.5-5x slower than FBGEMM's int8). Integer dot products (AVX512-VNNI's vpdpbusd:
-// u8 weights x s8 activations into int32) keep a verify of k+1 tokens close to a one-token
-// step, where 4-bit weights in float arithmetic make it compute bound.
+// int8's 8, and torch has no CPU kernel that reads them at int8's speed. Integer dot
+// products (AVX512-VNNI's vpdpbusd: u8 weights x s8 activations into int32) keep a verify
+// of k+1 tokens close to a one-token step, where 4-bit weights in float arithmetic make it
+// compute bound.
 //
 // Layouts (see q4k.py, which packs them): output channels in tiles of 16, one SIMD lane each.
 // Both keep 4 low bits of every weight the same way, per 32 columns j:
