@@ -244,7 +244,7 @@ def assemble(spec: EngineSpec, backend: Backend,
                         choose_k=policy.choose_k, overlap=spec.overlap)
         threads = getattr(backend, "mode_threads", None)
         if spec.overlap == "auto" and threads:
-            engine.on_mode = lambda overlapped: torch.set_num_threads(threads[overlapped])
+            engine.overlap.on_mode = lambda overlapped: torch.set_num_threads(threads[overlapped])
         built = AssembledEngine(engine, tok, spec, policy, backend, target_path)
         if spec.warmup:
             phase("warming up")

@@ -34,7 +34,7 @@ from specdec.model.step.prefix_cache import Choice
 from specdec.model.step.static_step import graph_builds
 from specdec.policy.view import EngineView
 from specdec.spec_decode.counters import SpecCounters
-from specdec.spec_decode.overlap import OverlapChooser, Settled, settle, use_overlap
+from specdec.spec_decode.overlap import Overlap, Settled
 from specdec.spec_decode.proposal import Proposal, Proposer, draft_held_prefix
 from specdec.spec_decode.target_runner import TargetResult, TargetRunner
 
@@ -50,8 +50,6 @@ class Engine:
                  tokenizer=None, eos_ids: Iterable[int] = (),
                  config: EngineConfig | None = None, choose_k: KChooser | None = None,
                  overlap: str = "off") -> None:
-        if overlap not in ("off", "on", "auto"):
-            raise ValueError("overlap must be off, on or auto")
         self.target = target
         self.proposers = dict(proposers or {})
         self.tokenizer = tokenizer
@@ -74,14 +72,9 @@ class Engine:
         self.totals: dict[str, SpecCounters] = collections.defaultdict(SpecCounters)
         self.history: collections.deque[StepRecord] = collections.deque(maxlen=256)
         self.steps = 0
-        # Drafting overlapped with verification (specdec/spec_decode/overlap.py): off, on, or auto
-        # (measured both ways, the faster kept).
-        self.overlap = overlap
-        self.overlap_chooser = OverlapChooser() if overlap == "auto" else None
-        # Called when a step's mode differs from the last one's (auto: the caller's thread
-        # plan differs between sequential and overlapped steps).
-        self.on_mode: Callable[[bool], None] | None = None
-        self._last_mode: bool | None = None
+        # Drafting overlapped with verification (specdec/spec_decode/overlap.py): off, on, or
+        # auto (measured both ways, the faster kept).
+        self.overlap = Overlap(overlap)
         # Observers of every completed step and every finished request (the policy learns
         # its costs and acceptance from them, in one process and served alike).
         self.on_step: list[Callable[[StepRecord], None]] = []
@@ -187,17 +180,13 @@ class Engine:
                 log.exception("failing request %s", seq.req.request_id)
                 self.scheduler.release(seq, keep=False)
 
-    def _use_overlap(self) -> bool:
-        return use_overlap(self.overlap, self.overlap_chooser, self.proposers.get("draft"),
-                           self.target)
-
     def _step(self, outputs: list[RequestOutput]) -> None:
         """Plan (each row's k, the proposers' guesses, the ragged batch), run (the target's
         forward, the draft's window beside it under overlap, settled after), apply (tokens
         emitted, outputs), then one record of it all."""
         t_start = time.perf_counter()
         builds = self._graph_builds()
-        plan = self._plan(self._overlap_for_step())
+        plan = self._plan(self.overlap.for_step(self.proposers.get("draft"), self.target))
         run = self._run(plan)
         t_apply = time.perf_counter()
         self.steps += 1
@@ -205,21 +194,9 @@ class Engine:
         emitted = self._apply(plan, run, outputs)
         rec = record_step(plan, run, emitted, t_start, t_apply, graph_built)
         self.history.append(rec)
-        # A sequential step whose drafting rows the suffix index all led is still a
-        # speculative step (led rounds are what sequential steps can do and overlapped
-        # ones cannot): the overlap chooser must see it.
         drafted = rec.draft_rows or plan.led or any(not w.catchup_only for w in plan.windows)
-        if self.overlap_chooser is not None and drafted and not rec.graph_built:
-            self.overlap_chooser.observe(rec.overlapped, rec.step_s, rec.emitted)
-
-    def _overlap_for_step(self) -> bool:
-        """Whether the draft drafts during this step's verification; observers hear when
-        that changes."""
-        overlapped = self._use_overlap()
-        if overlapped != self._last_mode and self.on_mode is not None:
-            self.on_mode(overlapped)
-        self._last_mode = overlapped
-        return overlapped
+        self.overlap.observe(rec.overlapped, rec.step_s, rec.emitted, bool(drafted),
+                             rec.graph_built)
 
     def _plan(self, overlapped: bool) -> Plan:
         decode = [s for s in self._running.values() if s.cached >= s.prompt_len]
@@ -242,26 +219,16 @@ class Engine:
         beside it and settled after; a failed forward never leaves the draft computing into
         the next step."""
         t0 = time.perf_counter()
-        window = None
-        if plan.windows:  # the draft starts now and works while the target verifies
-            try:
-                window = self.proposers["draft"].start_window(plan.windows)
-            except Exception as exc:  # noqa: BLE001 - a lost draft: plain draws this step
-                log.warning("draft window failed to start: %s", exc)
+        draft = self.proposers.get("draft")
+        window = self.overlap.start(draft, plan.windows)
         try:
             results = self.target.step(plan.rows)
         except BaseException:
-            if window is not None:
-                window.stop()
-                try:
-                    window.result()
-                except Exception:  # noqa: BLE001 - the step's failure is what matters
-                    pass
+            self.overlap.abandon(window)
             raise
         verify_s = time.perf_counter() - t0
         call = self.target.last_call
-        settled = settle(self.proposers.get("draft"), self.target, window, plan.windows,
-                         results)
+        settled = self.overlap.settle(draft, self.target, window, plan.windows, results)
         return StepRun(results=results, settled=settled, verify_s=verify_s,
                        target_compute_s=call.compute_s if call else verify_s,
                        target_bytes=call.bytes if call else 0)
@@ -347,9 +314,7 @@ class Engine:
     def _view(self) -> EngineView:
         """The engine as the policy sees it, once per step."""
         if self._policy_view is None or self._policy_view.steps != self.steps:
-            overlapped = self.overlap == "on" or (
-                self.overlap_chooser is not None and bool(self.overlap_chooser.choice))
-            self._policy_view = EngineView(self.steps, self.load, overlapped)
+            self._policy_view = EngineView(self.steps, self.load, self.overlap.chosen)
         return self._policy_view
 
     def _k_for(self, seq: Seq, pending: int) -> int:

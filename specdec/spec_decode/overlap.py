@@ -196,3 +196,70 @@ def use_overlap(mode: str, chooser: OverlapChooser | None, draft, target) -> boo
     if mode == "off" or draft is None or not draft.overlaps or not draft.available:
         return False
     return chooser.use_overlap() if chooser is not None else True
+
+
+class Overlap:
+    """Drafting during verification as a step uses it, so the step calls it instead of
+    branching on it: whether this step overlaps (mode on, or auto's chooser), the draft's
+    window started beside the target's forward and settled after, and each step's outcome
+    for the chooser."""
+
+    def __init__(self, mode: str = "off") -> None:
+        if mode not in ("off", "on", "auto"):
+            raise ValueError("overlap must be off, on or auto")
+        self.mode = mode
+        self.chooser = OverlapChooser() if mode == "auto" else None
+        # Told when a step's mode differs from the last one's (auto: the caller's thread
+        # plan differs between sequential and overlapped steps).
+        self.on_mode: Callable[[bool], None] | None = None
+        self._last: bool | None = None
+
+    @property
+    def chosen(self) -> bool:
+        """Whether rounds overlap now, as the policy prices them (on, or auto's choice)."""
+        return self.mode == "on" or (self.chooser is not None and bool(self.chooser.choice))
+
+    def for_step(self, draft, target) -> bool:
+        """Whether this step drafts during the target's forward."""
+        overlapped = use_overlap(self.mode, self.chooser, draft, target)
+        if overlapped != self._last and self.on_mode is not None:
+            self.on_mode(overlapped)
+        self._last = overlapped
+        return overlapped
+
+    @staticmethod
+    def start(draft, windows: list[ProposeInput]):
+        """The draft's window, started now to work while the target verifies (None where
+        there is nothing to draft, or the draft could not start: plain draws this step)."""
+        if not windows:
+            return None
+        try:
+            return draft.start_window(windows)
+        except Exception as exc:  # noqa: BLE001 - a lost draft: plain draws this step
+            log.warning("draft window failed to start: %s", exc)
+            return None
+
+    @staticmethod
+    def abandon(window) -> None:
+        """The target's forward failed: the draft must not go on computing into the next
+        step."""
+        if window is None:
+            return
+        window.stop()
+        try:
+            window.result()
+        except Exception:  # noqa: BLE001 - the step's failure is what matters
+            pass
+
+    @staticmethod
+    def settle(draft, target, window, windows: list[ProposeInput], results: list) -> Settled:
+        return settle(draft, target, window, windows, results)
+
+    def observe(self, overlapped: bool, step_s: float, emitted: int, drafted: bool,
+                graph_built: bool) -> None:
+        """A finished step, for auto's chooser: only steps that drafted (a sequential step
+        the suffix index led counts: it is what sequential steps can do and overlapped ones
+        cannot), and not one that built a graph (its time was mostly the build)."""
+        if self.chooser is not None and drafted and not graph_built:
+            self.chooser.observe(overlapped, step_s, emitted)
+

@@ -113,11 +113,11 @@ def test_the_overlap_chooser_sees_steps_the_index_led(tiny_llama, tiny_llama_far
     engine = make_engine(tiny_llama, tiny_llama_far_draft, slots=2, config=BIG_QUEUE,
                          suffix=SuffixProposer(min_count=1, plain_rows_k=6), overlap="auto")
     engine.choose_k = lambda eng, req, spec, running, **_: 2
-    engine.overlap_chooser.block = 10_000  # sequential steps only: the index may lead
+    engine.overlap.chooser.block = 10_000  # sequential steps only: the index may lead
     engine.run([Request("first", prompt, greedy(30), "draft", 2)])
-    seen, before = engine.overlap_chooser.steps[False], engine.steps
+    seen, before = engine.overlap.chooser.steps[False], engine.steps
     engine.run([Request("again", prompt, greedy(30), "draft", 2)])
-    observed = engine.overlap_chooser.steps[False] - seen
+    observed = engine.overlap.chooser.steps[False] - seen
     steps = list(engine.history)[-(engine.steps - before):]
     drafted = sum(1 for r in steps if r.draft_rows)
     assert engine.totals["suffix"].rounds > 0 and not any(r.overlapped for r in steps)

@@ -215,9 +215,9 @@ def test_auto_overlap_is_token_identical_while_switching_modes(pair):
     prompts = random_prompts((5, 9, 14, 3), seed=4)
     expected = plain_reference(target, prompts, 48)
     engine = make_engine(target, draft, overlap="auto")
-    engine.overlap_chooser = OverlapChooser(sample_steps=6, block=2, hold_steps=8)
+    engine.overlap.chooser = OverlapChooser(sample_steps=6, block=2, hold_steps=8)
     modes = []
-    engine.on_mode = modes.append
+    engine.overlap.on_mode = modes.append
     out = engine.run(requests(prompts, greedy(48), "draft", 3))
     for i, e in enumerate(expected):
         assert out[f"r{i}"].token_ids == e
