@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 
 import numpy as np
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
@@ -36,6 +37,11 @@ from specdec.model.step.prefix_cache import common_prefix
 log = logging.getLogger("ray.serve")
 
 MIN_MATCH = 32  # tokens shared before a prefix is worth following (a chat template's head)
+# A request chosen for a replica but never sent (cancelled while it waited) is forgotten
+# after TENTATIVE_S; one sent is counted at most IN_FLIGHT_S (a Serve that never reports a
+# completion must not leave a replica looking busy for good).
+TENTATIVE_S = 30.0
+IN_FLIGHT_S = 900.0
 
 
 def prompt_ids_of(pending_request) -> np.ndarray | None:
@@ -56,8 +62,13 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
         self._seen: dict = collections.defaultdict(
             lambda: collections.deque(maxlen=self._remembered))
         self.affinity_hits = 0  # requests sent to the replica holding their prefix
-        # internal request id -> replica it was sent (or is about to be sent) to, until done
-        self._in_flight: dict[str, object] = {}
+        # internal request id -> (replica it was sent or is about to be sent to, since when,
+        # whether Serve confirmed it), until Serve reports it done
+        self._in_flight: dict[str, tuple[object, float, bool]] = {}
+        # Requests reported done, lately (a completion can come before the routed callback,
+        # which must not count the request again), oldest first.
+        self._done: set[str] = set()
+        self._done_order: collections.deque = collections.deque()
 
     def holder(self, ids: np.ndarray, candidates) -> tuple[object, int] | None:
         """The candidate that was sent the longest prefix of ids, and its length."""
@@ -72,7 +83,11 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
     def queue_lengths(self, candidates) -> dict:
         """Per candidate, the larger of Serve's cached queue length and the requests this
         router sent there that have not finished (None where neither is known)."""
-        sent = collections.Counter(self._in_flight.values())
+        now = time.monotonic()
+        for rid, (_, since, routed) in list(self._in_flight.items()):
+            if now - since > (IN_FLIGHT_S if routed else TENTATIVE_S):
+                del self._in_flight[rid]
+        sent = collections.Counter(replica for replica, _, _ in self._in_flight.values())
         cache = self._replica_queue_len_cache
         out = {}
         for r in candidates:
@@ -107,26 +122,34 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
         if self.too_busy(found[0], candidate_replicas):
             return fallback
         self.affinity_hits += 1
-        self._in_flight[_request_id(pending_request)] = found[0].replica_id
+        self._in_flight[_request_id(pending_request)] = (found[0].replica_id, time.monotonic(),
+                                                         False)
         return [[found[0]], *fallback]
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
-        self._in_flight[_request_id(pending_request)] = replica_id  # where it really went
+        rid = _request_id(pending_request)
+        if rid not in self._done:  # (done already: nothing of it is in flight)
+            self._in_flight[rid] = (replica_id, time.monotonic(), True)  # where it really went
         ids = prompt_ids_of(pending_request)
         if ids is not None and len(ids) >= self._min_match:
             self._seen[replica_id].append(ids)
 
     def on_request_completed(self, replica_id, internal_request_id) -> None:
         super().on_request_completed(replica_id, internal_request_id)
-        # Also called for a request the holder refused: Serve routes it again.
+        # Also called for a request the holder refused: Serve routes it again (and that
+        # attempt goes uncounted, a rare miss where a leak would last).
         self._in_flight.pop(internal_request_id, None)
+        self._done.add(internal_request_id)
+        self._done_order.append(internal_request_id)
+        if len(self._done_order) > 4096:
+            self._done.discard(self._done_order.popleft())
 
     def update_replicas(self, replicas) -> None:
         super().update_replicas(replicas)
         live = {r.replica_id for r in replicas}
         for gone in [rid for rid in self._seen if rid not in live]:
             del self._seen[gone]  # its cache went with it
-        self._in_flight = {k: v for k, v in self._in_flight.items() if v in live}
+        self._in_flight = {k: v for k, v in self._in_flight.items() if v[0] in live}
 
 
 def _request_id(pending_request) -> str:

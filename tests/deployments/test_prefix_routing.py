@@ -6,6 +6,7 @@ the other replica, all served."""
 from __future__ import annotations
 
 import concurrent.futures
+import time
 import types
 
 import httpx
@@ -14,6 +15,7 @@ import pytest
 from ray.serve._private.request_router.common import ReplicaQueueLengthCache
 from serve_helpers import serve_app, tiny_app_args
 
+from deployments import prefix_router
 from deployments.launch import local_ray
 from deployments.prefix_router import PrefixAffinityRouter, prompt_ids_of
 
@@ -68,6 +70,16 @@ def test_a_burst_counts_toward_the_holders_queue_before_serve_hears_of_it():
     router._replica_queue_len_cache.update("b", 0)
     assert router.queue_lengths([a, b]) == {"a": 2, "b": 0}
     assert not router.too_busy(a, [a, b])
+    # Nothing stays counted for good: a request reported done before Serve's routed
+    # callback, one chosen but never sent (cancelled while waiting), one never reported.
+    quick = types.SimpleNamespace(args=(), metadata=types.SimpleNamespace(
+        internal_request_id="quick"))
+    router.on_request_completed("b", "quick")
+    router.on_request_routed(quick, "b", None)
+    router._in_flight["cancelled"] = ("b", time.monotonic() - prefix_router.TENTATIVE_S - 1,
+                                      False)
+    router._in_flight["lost"] = ("a", time.monotonic() - prefix_router.IN_FLIGHT_S - 1, True)
+    assert router.queue_lengths([a, b]) == {"a": 2, "b": 0}
 
 
 

@@ -237,6 +237,32 @@ def test_int4_rounds_the_files_q6k_to_4_bits_and_runs(q4k_gguf):
     assert torch.isfinite(logits).all()
 
 
+def test_int4_quantizes_fused_q6k_parts_from_their_floats():
+    """q|k|v or gate|up all in Q6_K, under int4: the parts are re-quantized to Q4_K from
+    their floats, joined in one layer (under q4k the same parts keep their blocks)."""
+    from specdec.model.formats.kquant_choice import FileWeight, linear_rows
+
+    gen = torch.Generator().manual_seed(3)
+
+    def q6k_blocks(n: int, nb: int) -> kb.Q6KBlocks:  # what a file would hold
+        d = (torch.rand(n, nb, generator=gen) * 1e-3).half().float()
+        scales = torch.randint(-128, 128, (n, nb, 16), generator=gen).to(torch.int8)
+        return kb.Q6KBlocks(d, scales, torch.randint(0, 64, (n, nb, 256), generator=gen,
+                                                      dtype=torch.uint8))
+
+    blocks = [q6k_blocks(16, 1) for _ in range(2)]
+    floats = [b.dequantize() for b in blocks]  # what the loader reads for int4
+    x = torch.randn(2, 256, generator=gen)
+    int4 = linear_rows([FileWeight(f, b) for f, b in zip(floats, blocks, strict=True)], None,
+                       everything=True)
+    assert isinstance(int4, q4k.Q4KLinear)
+    want = q4k.Q4KLinear(q4k.quantize(torch.cat(floats)), None, 256)(x)
+    assert torch.equal(int4(x), want)
+    kept = linear_rows([FileWeight(None, b) for b in blocks], None)
+    assert isinstance(kept, Q6KLinear)
+    assert torch.equal(kept.weight(), kb.Q6KBlocks.cat(blocks).dequantize())
+
+
 def _last_logits(model, seqs):
     cache = model.new_cache(len(seqs), 96)
     b = BatchInput.build([(i, 0, s) for i, s in enumerate(seqs)])

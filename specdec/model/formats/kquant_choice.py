@@ -100,9 +100,12 @@ def _cat_rows(parts: list[FileWeight]) -> FileWeight:
     if len(parts) == 1:
         return parts[0]
     sources = [p.blocks for p in parts]
-    for blocks in (Q4KBlocks, Q6KBlocks):
-        if all(isinstance(s, blocks) for s in sources):
-            return FileWeight(None, blocks.cat(sources))
+    if all(p.floats is None for p in parts):  # kept as the file's blocks: stack those
+        for blocks in (Q4KBlocks, Q6KBlocks):
+            if all(isinstance(s, blocks) for s in sources):
+                return FileWeight(None, blocks.cat(sources))
+    # Floats (int4 quantizes even a Q6_K part from them): one kind, so the first part's
+    # tag says what they all are.
     return FileWeight(torch.cat([p.floats for p in parts]), sources[0])
 
 
