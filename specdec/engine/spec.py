@@ -21,6 +21,7 @@ from specdec.engine.state import MAX_TOKENS_PER_STEP, MAX_WAITING
 from specdec.model.formats.weight_format import DRAFT_ONLY, FORMATS
 from specdec.model.step.step_mode import StepMode
 from specdec.policy.settings import PolicySettings
+from specdec.spec_decode.overlap import OverlapMode
 from specdec.spec_decode.proposers import DEFAULT_Q_TOP_M
 
 WeightFormatName = Literal["auto", "float32", "bfloat16", "float16", "int8", "w8a8",
@@ -219,7 +220,7 @@ class EngineSpec(BaseModel):
                                    description="The speculation policy.")
     warmup: bool = Field(True, description="Run every path (prefill, plain step, "
                          "speculative round) before reporting ready.")
-    overlap: Literal["off", "on", "auto"] = Field("off", description=(
+    overlap: OverlapMode = Field("off", description=(
         "Draft while the target verifies (exact): on, off, or auto (measure both, keep the "
         "faster). Needs a draft with compute of its own."))
 

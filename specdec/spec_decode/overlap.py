@@ -39,11 +39,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Literal, get_args
 
 from specdec.spec_decode.proposal import Proposal, ProposeInput
 from specdec.spec_decode.target_runner import Head
 
 log = logging.getLogger(__name__)
+
+# off: sequential rounds; on: always overlapped; auto: both measured, the faster kept.
+OverlapMode = Literal["off", "on", "auto"]
 
 
 class ThreadWindow:
@@ -204,9 +208,9 @@ class Overlap:
     window started beside the target's forward and settled after, and each step's outcome
     for the chooser."""
 
-    def __init__(self, mode: str = "off") -> None:
-        if mode not in ("off", "on", "auto"):
-            raise ValueError("overlap must be off, on or auto")
+    def __init__(self, mode: OverlapMode = "off") -> None:
+        if mode not in get_args(OverlapMode):
+            raise ValueError(f"overlap must be one of {get_args(OverlapMode)}, got {mode!r}")
         self.mode = mode
         self.chooser = OverlapChooser() if mode == "auto" else None
         # Told when a step's mode differs from the last one's (auto: the caller's thread
