@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 class Engine:
     """The step loop over a scheduler (queue and slots), a planner (k, guesses, the ragged
     batch), the target and the output rules; the policy and the metrics watch it through
-    hooks (choose_k, on_step, on_finished, on_mode)."""
+    hooks (choose_k, on_step, on_finished, and overlap.on_mode)."""
 
     def __init__(self, target: TargetRunner, proposers: dict[str, Proposer] | None = None,
                  tokenizer=None, eos_ids: Iterable[int] = (),
