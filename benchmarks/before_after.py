@@ -29,8 +29,11 @@ def _worker(config: str) -> None:
     try:  # the layered tree
         from specdec.engine.assemble import LocalBackend, assemble
         from specdec.engine.spec import EngineSpec
-        from specdec.model.step.sampling import SamplingParams
         from specdec.policy.engine_policy import Overrides
+        try:  # the model package in three rooms
+            from specdec.model.step.sampling import SamplingParams
+        except ImportError:  # the flat model package (3806ec1 and older)
+            from specdec.model.sampling import SamplingParams
     except ImportError:  # the flat layout before the folders were layers (88fc271 and older)
         from specdec.assemble import LocalBackend, assemble
         from specdec.engine_config import EngineSpec
