@@ -91,8 +91,8 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
         cache = self._replica_queue_len_cache
         out = {}
         for r in candidates:
-            known = [q for q in (cache.get(r.replica_id), sent.get(r.replica_id)) if q]
-            out[r.replica_id] = max(known) if known else cache.get(r.replica_id)
+            cached, mine = cache.get(r.replica_id), sent.get(r.replica_id, 0)
+            out[r.replica_id] = None if cached is None and not mine else max(cached or 0, mine)
         return out
 
     def too_busy(self, replica, candidates) -> bool:

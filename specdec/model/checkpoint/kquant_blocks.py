@@ -16,8 +16,25 @@ Q4_K_BYTES = 144  # bytes of one GGUF Q4_K block
 Q6_K_BYTES = 210  # bytes of one GGUF Q6_K block
 
 
+class _RowBlocks:
+    """A weight's blocks, one row of blocks per output row: every field's first axis is the
+    row, its second the block."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.q.shape[1] * QK
+
+    def rows(self, start: int, stop: int):
+        return type(self)(*(getattr(self, f.name)[start:stop] for f in dataclasses.fields(self)))
+
+    @classmethod
+    def cat(cls, parts: list):
+        return cls(*(torch.cat([getattr(p, f.name) for p in parts])
+                     for f in dataclasses.fields(cls)))
+
+
 @dataclasses.dataclass
-class Q4KBlocks:
+class Q4KBlocks(_RowBlocks):
     """A weight [N, K] in Q4_K blocks, unpacked: d, dmin [N, nb] float32 (fp16 values);
     scales, mins [N, nb, 8] uint8 (6 bits); q [N, nb, 256] uint8 (4 bits), columns in order."""
 
@@ -27,24 +44,12 @@ class Q4KBlocks:
     mins: torch.Tensor
     q: torch.Tensor
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.q.shape[0], self.q.shape[1] * QK
-
     def dequantize(self) -> torch.Tensor:
         n, nb = self.d.shape
         scale = (self.d.unsqueeze(-1) * self.scales.float()).unsqueeze(-1)  # [N, nb, 8, 1]
         low = (self.dmin.unsqueeze(-1) * self.mins.float()).unsqueeze(-1)
         q = self.q.reshape(n, nb, 8, 32).float()
         return (scale * q - low).reshape(n, nb * QK)
-
-    def rows(self, start: int, stop: int) -> Q4KBlocks:
-        return Q4KBlocks(*(getattr(self, f.name)[start:stop] for f in dataclasses.fields(self)))
-
-    @staticmethod
-    def cat(parts: list[Q4KBlocks]) -> Q4KBlocks:
-        return Q4KBlocks(*(torch.cat([getattr(p, f.name) for p in parts])
-                           for f in dataclasses.fields(Q4KBlocks)))
 
 
 def q4k_from_gguf(raw: torch.Tensor) -> Q4KBlocks:
@@ -63,7 +68,7 @@ def q4k_from_gguf(raw: torch.Tensor) -> Q4KBlocks:
 
 
 @dataclasses.dataclass
-class Q6KBlocks:
+class Q6KBlocks(_RowBlocks):
     """A weight [N, K] in Q6_K blocks, unpacked: d [N, nb] float32 (fp16 values); scales
     [N, nb, 16] int8; q [N, nb, 256] uint8 (6 bits, the stored value: weight ~ q - 32)."""
 
@@ -71,23 +76,11 @@ class Q6KBlocks:
     scales: torch.Tensor
     q: torch.Tensor
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.q.shape[0], self.q.shape[1] * QK
-
     def dequantize(self) -> torch.Tensor:
         n, nb = self.d.shape
         scale = (self.d.unsqueeze(-1) * self.scales.float()).unsqueeze(-1)   # [N, nb, 16, 1]
         q = self.q.reshape(n, nb, 16, 16).to(torch.int8) - 32
         return (scale * q.float()).reshape(n, nb * QK)
-
-    def rows(self, start: int, stop: int) -> Q6KBlocks:
-        return Q6KBlocks(*(getattr(self, f.name)[start:stop] for f in dataclasses.fields(self)))
-
-    @staticmethod
-    def cat(parts: list[Q6KBlocks]) -> Q6KBlocks:
-        return Q6KBlocks(*(torch.cat([getattr(p, f.name) for p in parts])
-                           for f in dataclasses.fields(Q6KBlocks)))
 
 
 def q6k_from_gguf(raw: torch.Tensor) -> Q6KBlocks:
