@@ -34,19 +34,22 @@ from specdec.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The conversation: what a user asks, turn by turn; files pasted from this repository grow
-# the history the way a code assistant's does.
+# The conversation: what a user asks, turn by turn; files pasted into it grow the history
+# the way a code assistant's does. The files are frozen copies (chat_files/): the workload
+# must not change when the project's own modules do (a module that grew tenfold once made
+# the third turn overflow the context).
 TURNS = [
-    ("Here is a module of a project:\n```python\n{file:specdec/policy/cost_model.py}\n```\n"
+    ("Here is a module of a project:\n```python\n{file:cost_model.py.txt}\n```\n"
      "What does expected_tokens_per_round compute, and why does a = 1 need its own case?"),
     "Write a unit test for it with pytest, covering k = 0, a = 0 and a = 1.",
-    ("Now this one:\n```python\n{file:specdec/model/step/kv_cache.py}\n```\nHow does a slot "
+    ("Now this one:\n```python\n{file:kv_cache.py.txt}\n```\nHow does a slot "
      "roll back, and what keeps stale entries from being read?"),
     "Could two sequences ever share a slot? Answer in two sentences.",
     "Write a function that copies the first n positions of one slot into another.",
     "Summarize our whole conversation in three bullet points.",
 ]
-LONG_FILE = "specdec/policy/decide.py"
+LONG_FILE = "decide.py.txt"
+FILES = ROOT / "benchmarks" / "chat_files"
 SHORT = "Write a Python function that checks whether a string is a palindrome."
 
 
@@ -54,7 +57,7 @@ def _expand(text: str) -> str:
     while "{file:" in text:
         start = text.index("{file:")
         end = text.index("}", start)
-        body = (ROOT / text[start + 6:end]).read_text()
+        body = (FILES / text[start + 6:end]).read_text()
         text = text[:start] + body + text[end + 1:]
     return text
 
@@ -62,7 +65,7 @@ def _expand(text: str) -> str:
 def long_prompt(tok, tokens: int, label: str) -> list[int]:
     """A source file cut to about `tokens` tokens with a question, new to the server (its
     first line names the system and the run)."""
-    lines = (ROOT / LONG_FILE).read_text().splitlines()
+    lines = (FILES / LONG_FILE).read_text().splitlines()
     ask = "Explain what each function of this file does, one line each."
     best = None
     for n in range(1, len(lines) + 1):
