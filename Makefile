@@ -42,7 +42,7 @@ serve: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(SERVE_ENV) exec $(BIN)/specdec serve serve_config.yaml
 
 lint: install
-	$(BIN)/ruff check specdec deployments cli benchmarks tools tests
+	$(BIN)/ruff check specdec deployments specdec_cli specdec_bench specdec_tools scripts tests
 
 # A real Prometheus for the dashboard test (Debian's package; the service is not started).
 prometheus:

@@ -16,12 +16,12 @@ import argparse
 import statistics
 import time
 
-from benchmarks.prompts import PROMPT_SETS
 from specdec.engine.assemble import LocalBackend, assemble
 from specdec.engine.spec import DraftGroupConfig, EngineSpec, ModelGroupConfig, RuntimeConfig
 from specdec.model.step.sampling import SamplingParams
 from specdec.pack.tokenizer import prompt_ids
 from specdec.policy.engine_policy import Overrides
+from specdec_bench.prompts import PROMPT_SETS
 
 
 def _run(built, rid: str, ids: list[int], params: SamplingParams, wanted: Overrides):

@@ -42,11 +42,11 @@ if part steps; then
 stamp "device waits per captured verify step and draft round (1 each is the aim)"
 timeout 90 python3 scripts/gpu_sync_check.py "$RAND/qwen15" "$RAND/qwen05"
 stamp "step ms, bf16: eager vs captured, rows 1 4 8 x query 1 (decode) and 3..7 (k = 2..6)"
-timeout 150 python3 -m benchmarks.static_step --device cuda --dtype bfloat16 --no-mixed \
+timeout 150 python3 -m specdec_bench.static_step --device cuda --dtype bfloat16 --no-mixed \
     --target "$RAND/qwen15" --draft "$RAND/qwen05" --rows 1 4 8 --query 1 3 4 5 6 7 \
     --modes eager captured --rounds 3 --steps 8 2>&1 | grep -v "Loading weights"
 stamp "the draft's round, bf16: eager vs the loop captured, rows 1 8 x k 2..6"
-timeout 100 python3 -m benchmarks.draft_round --config serve_config.gpu.yaml --device cuda \
+timeout 100 python3 -m specdec_bench.draft_round --config serve_config.gpu.yaml --device cuda \
     --dtype bfloat16 --draft "$RAND/qwen05" --rows 1 8 --k 2 3 4 5 6 --modes captured \
     --rounds 3 --steps 4 2>&1 | grep -v "Loading weights"
 fi

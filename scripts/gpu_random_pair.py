@@ -18,7 +18,7 @@ the output rows set so the target's argmax after id t is sigma(t)); the draft fo
 same map except on a random share 1 - ALPHA of the ids. A round then keeps each guess with
 probability ALPHA, independently, so speculative decoding on a GPU runs end to end at the
 acceptance the real pair reaches on CPU (SPECDEC_ALPHA, default 0.88: the real pair's on
-code prompts, benchmarks/RESULTS.md) instead of a random pair's chance agreement.
+code prompts, specdec_bench/RESULTS.md) instead of a random pair's chance agreement.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The folders are layers, and a dependency never points up one: the pure engine's parts
 (model, pack, speculative decoding, policy, engine) under the Ray/Serve layer
-(deployments: actors, then the replica, router and app), under benchmarks and ops tools,
+(deployments: actors, then the replica, router and app), under the benchmarks and ops tools,
 under the command line and the scripts. Inside the model layer, reading a checkpoint sits
 under the weight formats, which sit under running a step. Checked on every import statement, including the ones inside
 functions (a lazy import is still a dependency); imports under `if TYPE_CHECKING:` are
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("specdec", "deployments", "benchmarks", "tools", "cli", "scripts")
+PACKAGES = ("specdec", "deployments", "specdec_bench", "specdec_tools", "specdec_cli", "scripts")
 
 # (module prefix, rank): the longest prefix names a module's layer. A module may import
 # its own layer and any layer of a lower rank; layers of one rank are siblings and may not
@@ -31,9 +31,9 @@ LAYERS = [
     ("specdec.engine", 5),        # continuous batching, the engine's spec, assembly
     ("deployments.actors", 6),    # Ray actors: shards, groups, target, draft
     ("deployments", 7),           # Serve: the engine replica, the router, the app
-    ("benchmarks", 8),
-    ("tools", 8),
-    ("cli", 9),
+    ("specdec_bench", 8),
+    ("specdec_tools", 8),
+    ("specdec_cli", 9),
     ("scripts", 10),              # one-off checks, e.g. on a GPU machine
 ]
 
@@ -146,7 +146,7 @@ def test_the_pure_engine_never_imports_ray():
     modules, _ = _graph()
     offenders = []
     for name, path in modules.items():
-        if not name.startswith("specdec"):
+        if name != "specdec" and not name.startswith("specdec."):
             continue
         visitor = _Imports()
         visitor.visit(ast.parse(path.read_text()))
@@ -181,3 +181,19 @@ def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
         assert "specdec.engine.engine" in str(exc) and "specdec.model.bad" in str(exc)
     else:
         raise AssertionError("an import cycle went unnoticed")
+
+
+def test_installed_packages_carry_the_projects_names():
+    """`pip install` puts each listed package at the top of site-packages: a generic name
+    (`cli`, `tools`, `benchmarks`) would collide with anyone else's. The design card's two
+    (`specdec`, `deployments`) and `specdec_*` only, and every package in the checkout is
+    installed (the `specdec` command imports the CLI, the CLI imports the benchmarks)."""
+    import tomllib
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())[
+        "tool"]["setuptools"]["packages"]["find"]["include"]
+    listed = {pattern.removesuffix("*") for pattern in include}
+    on_disk = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert listed == on_disk, (listed, on_disk)
+    for name in listed:
+        assert name in ("specdec", "deployments") or name.startswith("specdec_"), name

@@ -31,7 +31,7 @@ class Load:
     # draft nothing but wait for every verify, so a speculative batch's gain is diluted.
     # The other rows all follow the one decision (specdec/policy/engine_policy.py): a batch
     # of speculative and plain followers costs more than either pure batch
-    # (benchmarks/mixed_batch.py; benchmarks/RESULTS.md, "Mixed batches"), so the policy
+    # (specdec_bench/mixed_batch.py; specdec_bench/RESULTS.md, "Mixed batches"), so the policy
     # never makes one.
     pinned: int = 0
 

@@ -1,6 +1,6 @@
 """The local autoscaling cluster is the deployed one, mapped: node types from
 cluster/ray-cluster.yaml, the application from serve_config.gpu.yaml, only what cannot run
-on this host scaled (benchmarks/fake_cluster.py)."""
+on this host scaled (specdec_bench/fake_cluster.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.fake_cluster import (
+from deployments.app import parse_args
+from specdec_bench.fake_cluster import (
     CLUSTER_YAML,
     HEAD_TYPE,
     Scaling,
@@ -17,7 +18,6 @@ from benchmarks.fake_cluster import (
     load_gpu_config,
     node_types,
 )
-from deployments.app import parse_args
 
 CLUSTER = yaml.safe_load(CLUSTER_YAML.read_text())
 GPU = load_gpu_config()

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.host_noise import BESIDE, condition, switches
+from specdec_bench.host_noise import BESIDE, condition, switches
 
 
 def state(pid: int) -> str:

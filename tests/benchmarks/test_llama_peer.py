@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from benchmarks import llama_peer
+from specdec_bench import llama_peer
 
 FAKE = textwrap.dedent("""\
     #!/usr/bin/env python3

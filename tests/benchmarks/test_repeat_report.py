@@ -3,7 +3,7 @@ median over repeats) and its ratio to the llama-server plain of its own block.""
 
 from __future__ import annotations
 
-from benchmarks.repeat import summarize
+from specdec_bench.repeat import summarize
 
 
 def _row(block, system, workload, tokens, seconds, rep=0):

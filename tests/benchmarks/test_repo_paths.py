@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks import busy_start, formats, llama_peer
+from specdec_bench import busy_start, formats, llama_peer
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.served_report import cost_shape, memory_rows, ratios
+from specdec_bench.served_report import cost_shape, memory_rows, ratios
 
 
 def _timeline(target_ms, draft_ms=0.0, guesses=0.0, emitted=1):
@@ -57,7 +57,7 @@ def test_ratios_name_the_peers_best_configuration():
 
 def test_a_table_without_rows_prints_its_header(capsys):
     """bench served --paired has no per-step timelines: its cost-shape table is empty."""
-    from benchmarks.table import print_table
+    from specdec_bench.table import print_table
 
     print_table([], ["system", "v"], title="cost shape")
     out = capsys.readouterr().out

@@ -20,8 +20,8 @@ import pytest
 import yaml
 from serve_helpers import tiny_app_args
 
-from cli.serve import session_pids
 from specdec.ports import free_port
+from specdec_cli.serve import session_pids
 
 pytestmark = pytest.mark.integration
 
@@ -88,7 +88,7 @@ def test_every_way_of_stopping_drains_and_exits_cleanly(how, tmp_path, tiny_llam
     log = tmp_path / "serve.log"
     with open(log, "w") as sink:
         # Its own process group, as a shell gives a job: the group signals reach only it.
-        proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", str(config),
+        proc = subprocess.Popen([sys.executable, "-m", "specdec_cli.main", "serve", str(config),
                                  "--grace", "60"], cwd=ROOT, env=env, stdout=sink,
                                 stderr=subprocess.STDOUT, process_group=0,
                                 preexec_fn=_as_a_background_job

@@ -8,7 +8,7 @@ import io
 import json
 import threading
 
-from cli.wait_ready import wait_ready
+from specdec_cli.wait_ready import wait_ready
 
 
 def test_prints_each_phase_once_then_ready():

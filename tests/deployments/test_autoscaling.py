@@ -1,6 +1,6 @@
 """Autoscaling end to end, on Ray's own autoscaler (the fake multi-node provider: each node
 a raylet on this host) with the node types of cluster/ray-cluster.yaml and the application
-of serve_config.gpu.yaml, fixture models on CPU, times scaled down (benchmarks/autoscale.py
+of serve_config.gpu.yaml, fixture models on CPU, times scaled down (specdec_bench/autoscale.py
 runs the same scenario as a demo). Start: the autoscaler launches the minimum nodes and the
 application becomes ready; load: a second engine replica starts, the autoscaler launches a
 node for its draft, both replicas serve; idle: the replica drains and then its node goes
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from benchmarks.autoscale import first_speculation_after_first_serve, run, served_through_drain
-from benchmarks.fake_cluster import CLUSTER_YAML, Scaling
+from specdec_bench.autoscale import first_speculation_after_first_serve, run, served_through_drain
+from specdec_bench.fake_cluster import CLUSTER_YAML, Scaling
 
 pytestmark = pytest.mark.integration
 

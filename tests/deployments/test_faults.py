@@ -15,9 +15,9 @@ import pytest
 import ray
 from serve_helpers import serve_app, tiny_app_args
 
-from benchmarks.load import run_load
 from deployments.ingress import HEALTH_TTL_S
 from deployments.launch import local_ray
+from specdec_bench.load import run_load
 
 pytestmark = pytest.mark.integration
 

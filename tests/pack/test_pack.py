@@ -73,7 +73,7 @@ def test_missing_package_is_a_clear_error(tmp_path, cache):
 
 
 def test_cli_fetch_unknown_name_exits_nonzero(cache):
-    proc = subprocess.run([sys.executable, "-m", "cli.main", "models", "fetch", "nope"],
+    proc = subprocess.run([sys.executable, "-m", "specdec_cli.main", "models", "fetch", "nope"],
                           capture_output=True, text=True)
     assert proc.returncode != 0
     assert "unknown pack model or group 'nope'" in proc.stderr

@@ -12,9 +12,9 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from deployments.app import parse_args
-from tools.dashboard import build
-from tools.promql import PANELS
-from tools.rayservice import render
+from specdec_tools.dashboard import build
+from specdec_tools.promql import PANELS
+from specdec_tools.rayservice import render
 
 ROOT = Path(__file__).resolve().parents[2]
 

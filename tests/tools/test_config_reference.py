@@ -1,12 +1,12 @@
 """docs/configuration.md is what the config models generate: a field added, renamed or
 re-described without regenerating the reference fails here."""
 
-from tools.config_reference import OUT, render
+from specdec_tools.config_reference import OUT, render
 
 
 def test_committed_reference_equals_a_fresh_generation():
     assert OUT.read_text() == render(), (
-        "docs/configuration.md is stale: run `python -m tools.config_reference`")
+        "docs/configuration.md is stale: run `python -m specdec_tools.config_reference`")
 
 
 def test_every_field_of_the_app_config_is_documented():

@@ -13,10 +13,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from cli.main import main
 from specdec.ports import free_port
-from tools.dashboard import DATASOURCE_UID, UID, build
-from tools.grafana_provision import ProvisionError, provision
+from specdec_cli.main import main
+from specdec_tools.dashboard import DATASOURCE_UID, UID, build
+from specdec_tools.grafana_provision import ProvisionError, provision
 
 TOKEN = "glsa_test_token"
 

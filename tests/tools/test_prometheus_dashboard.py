@@ -18,9 +18,9 @@ import ray
 import yaml
 from serve_helpers import env, serve_app, tiny_app_args
 
-from benchmarks.prometheus import instantiate, query
 from deployments.launch import local_ray
 from specdec.ports import free_port
+from specdec_bench.prometheus import instantiate, query
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
 """Weight formats: which one a model group runs in, and the fastest on the machine at hand.
 
 A decode step is a handful of tokens against every weight of the model, so what matters is
-how fast a small-M matmul reads the weights (benchmarks/RESULTS.md has the figures).
+how fast a small-M matmul reads the weights (specdec_bench/RESULTS.md has the figures).
 
 - "bfloat16" is fast where the CPU has native bf16 (avx512_bf16 / AMX). Without it PyTorch's
   bf16 GEMM costs about M times a single-token step, so a verify becomes a loss.
