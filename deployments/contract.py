@@ -13,7 +13,7 @@ import dataclasses
 
 from specdec.errors import ErrorKind
 from specdec.model.step.sampling import SamplingParams
-from specdec.policy.engine_policy import Overrides
+from specdec.spec_decode.speculation import Speculation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,7 +21,7 @@ class GenerateCall:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    speculative: Overrides
+    speculative: Speculation
     stream: bool
     # The request field that asked for params.grammar: an error about it names that field.
     grammar_field: str | None = None

@@ -61,7 +61,7 @@ from specdec.model.step.grammar import GrammarSpec, grammar_error
 from specdec.model.step.sampling import MIN_TEMPERATURE, SamplingParams
 from specdec.pack.hub import resolve
 from specdec.pack.tokenizer import chat_ids, load_tokenizer
-from specdec.policy.engine_policy import Overrides
+from specdec.spec_decode.speculation import Speculation
 
 log = logging.getLogger("ray.serve")
 MAX_BODY_BYTES = 4 << 20  # a body beyond this is refused (413) before it is read whole
@@ -267,7 +267,7 @@ class IngressServer:
         except ValueError as exc:  # the schema's bounds come first; this is the last guard
             raise APIError(400, str(exc)) from exc
         return GenerateCall(uuid.uuid4().hex, prompt_ids, params,
-                            Overrides(spec.mode, spec.method, spec.k), bool(req.stream),
+                            Speculation(mode=spec.mode, method=spec.method, k=spec.k), bool(req.stream),
                             grammar_field, req.user)
 
     def _check_ids(self, req) -> None:

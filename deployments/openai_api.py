@@ -39,6 +39,7 @@ from specdec.model.step.sampling import (
     SEED_MAX,
     SEED_MIN,
 )
+from specdec.spec_decode.speculation import ProposerMethod, SpecMode
 
 MAX_TOKENS_CAP = 1 << 20
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -81,9 +82,9 @@ class SpeculativeOverride(BaseModel):
     """Per-request control of speculation (extension field `speculative`)."""
 
     model_config = ConfigDict(extra="forbid")
-    mode: Literal["auto", "on", "off"] = "auto"
+    mode: SpecMode = "auto"
     k: int | None = Field(None, ge=1, le=16)
-    method: Literal["draft", "suffix", "ngram"] | None = None
+    method: ProposerMethod | None = None
 
 
 MAX_CHOICES = 16  # choices per request (n): each holds a slot of its own

@@ -20,11 +20,11 @@ from specdec.engine.assemble import LocalBackend, assemble
 from specdec.engine.spec import DraftGroupConfig, EngineSpec, ModelGroupConfig, RuntimeConfig
 from specdec.model.step.sampling import SamplingParams
 from specdec.pack.tokenizer import prompt_ids
-from specdec.policy.engine_policy import Overrides
+from specdec.spec_decode.speculation import Speculation
 from specdec_bench.prompts import PROMPT_SETS
 
 
-def _run(built, rid: str, ids: list[int], params: SamplingParams, wanted: Overrides):
+def _run(built, rid: str, ids: list[int], params: SamplingParams, wanted: Speculation):
     engine = built.engine
     engine.history.clear()  # (a bounded deque: this request's steps are all it holds after)
     t = time.perf_counter()
@@ -62,9 +62,9 @@ def main() -> int:
     chat, texts = PROMPT_SETS["code"]
     prompts = [prompt_ids(tok, p, chat) for p in texts[: args.prompts]]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    configs = [("plain", Overrides(mode="off"))] + \
-        [(f"k={k}", Overrides(mode="on", method="draft", k=k)) for k in args.k] + \
-        ([] if args.no_auto else [("auto", Overrides())])
+    configs = [("plain", Speculation(mode="off"))] + \
+        [(f"k={k}", Speculation(mode="on", method="draft", k=k)) for k in args.k] + \
+        ([] if args.no_auto else [("auto", Speculation())])
     print(f"{'step':9} {'config':7} {'tokens/s':>9} {'tok/round':>9} {'step ms':>8} "
           f"{'draft ms':>8} {'verify ms':>9} {'same as plain':>13}  decision")
     for step in args.steps:

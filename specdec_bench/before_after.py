@@ -29,7 +29,10 @@ def _worker(config: str) -> None:
     try:  # the layered tree
         from specdec.engine.assemble import LocalBackend, assemble
         from specdec.engine.spec import EngineSpec
-        from specdec.policy.engine_policy import Overrides
+        try:  # one value for a request's speculation
+            from specdec.spec_decode.speculation import Speculation
+        except ImportError:  # 106f4ca and older
+            from specdec.policy.engine_policy import Overrides as Speculation
         try:  # the model package in three rooms
             from specdec.model.step.sampling import SamplingParams
         except ImportError:  # the flat model package (3806ec1 and older)
@@ -37,14 +40,14 @@ def _worker(config: str) -> None:
     except ImportError:  # the flat layout before the folders were layers (88fc271 and older)
         from specdec.assemble import LocalBackend, assemble
         from specdec.engine_config import EngineSpec
-        from specdec.engine_policy import Overrides
+        from specdec.engine_policy import Overrides as Speculation
         from specdec.sampling import SamplingParams
     import specdec
 
     built = assemble(EngineSpec.from_config_file(config), LocalBackend())
     tok = built.tokenizer
-    modes = {"plain": Overrides(mode="off"), "k3": Overrides(mode="on", method="draft", k=3),
-             "auto": Overrides(mode="auto")}
+    modes = {"plain": Speculation(mode="off"), "k3": Speculation(mode="on", method="draft", k=3),
+             "auto": Speculation(mode="auto")}
     print(json.dumps({"ready": specdec.__file__}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)

@@ -29,12 +29,12 @@ SOURCE = "specdec/policy/decide.py"
 
 def _ours(built, tok, depth: int, tokens: int, label: str) -> float:
     from specdec.model.step.sampling import SamplingParams
-    from specdec.policy.engine_policy import Overrides
+    from specdec.spec_decode.speculation import Speculation
 
     text = f"# {label}\n" + (ROOT / SOURCE).read_text() * 4
     ids = tok(text).input_ids[: max(depth, 8)]
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    return decode_one(built, label, ids, params, Overrides(mode="off"))[1]
+    return decode_one(built, label, ids, params, Speculation(mode="off"))[1]
 
 
 def _llama(exe: Path, gguf: Path, depth: int, tokens: int, threads: int) -> float:

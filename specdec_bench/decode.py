@@ -88,7 +88,7 @@ def _our_rows(args, sets, progress) -> list[dict]:
     first = sets[next(iter(sets))][0]
     short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for _, method, k, _ in configs:
-        engine.run([Request(f"warm-{method}-{k}-{b}", first, short, method, k, fixed_k=True)
+        engine.run([Request.pinned(f"warm-{method}-{k}-{b}", first, short, method, k)
                     for b in range(max(args.batch, 1))])
     rows = []
     for name, prompts in sets.items():
@@ -97,7 +97,7 @@ def _our_rows(args, sets, progress) -> list[dict]:
                 draft.confidence_threshold = threshold
             rates, mal = [], []
             for i, ids in enumerate(prompts):
-                reqs = [Request(f"{name}-{i}-{b}", ids, params, method, k, fixed_k=True)
+                reqs = [Request.pinned(f"{name}-{i}-{b}", ids, params, method, k)
                         for b in range(args.batch)]
                 before = engine.totals[method].rounds, engine.totals[method].accepted
                 t = time.perf_counter()

@@ -15,8 +15,8 @@ import sys
 
 from specdec.engine.spec import EngineSpec
 from specdec.pack.tokenizer import prompt_ids
-from specdec.policy.engine_policy import Overrides
 from specdec.progress import Progress
+from specdec.spec_decode.speculation import Speculation
 from specdec_bench.served import _local_engine, _one_local, _prompts
 from specdec_bench.table import median, print_table
 
@@ -31,8 +31,8 @@ def main() -> int:
     args = ap.parse_args()
     base = EngineSpec.from_config_file(args.config)
     prompts = _prompts(["code", "chat_code"], 2)
-    modes = [("plain", Overrides(mode="off"))] + [
-        (f"k={k}", Overrides(mode="on", method="draft", k=k)) for k in args.k]
+    modes = [("plain", Speculation(mode="off"))] + [
+        (f"k={k}", Speculation(mode="on", method="draft", k=k)) for k in args.k]
     progress = Progress("draft formats", total=len(args.formats) * len(modes) * len(prompts)
                         * args.repeats, unit=" requests")
     rows = []

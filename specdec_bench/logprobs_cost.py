@@ -25,11 +25,11 @@ PROMPTS = ["def quicksort(arr):\n", "class LRUCache:\n    def __init__(self, cap
 
 def _decode_tps(built, ids, label: str, mode: str, logprobs: int | None, tokens: int) -> float:
     from specdec.model.step.sampling import SamplingParams
-    from specdec.policy.engine_policy import Overrides
+    from specdec.spec_decode.speculation import Speculation
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True,
                             logprobs=logprobs)
-    over = Overrides(mode="off") if mode == "off" else Overrides(mode="on", method="draft", k=3)
+    over = Speculation(mode="off") if mode == "off" else Speculation(mode="on", method="draft", k=3)
     done, tps = decode_one(built, label, ids, params, over)
     assert (done.logprobs is not None) == (logprobs is not None)
     return tps

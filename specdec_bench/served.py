@@ -38,9 +38,9 @@ from specdec.engine.timeline import timeline_summary
 from specdec.model.step.sampling import SamplingParams
 from specdec.pack import hub
 from specdec.pack.tokenizer import load_tokenizer, prompt_ids
-from specdec.policy.engine_policy import Overrides
 from specdec.ports import free_port
 from specdec.progress import Progress
+from specdec.spec_decode.speculation import Speculation
 from specdec_bench.prompts import PROMPT_SETS
 from specdec_bench.serve import http_overhead
 from specdec_bench.served_report import cost_shape, memory_rows, ratios
@@ -120,10 +120,10 @@ def _peer_rows(args, spec, prompts, progress) -> list[dict]:
 
 # ---- our engine, in this process ---------------------------------------------------------
 
-def _modes(ks: list[int]) -> list[tuple[str, Overrides]]:
-    return [("plain", Overrides(mode="off"))] + \
-        [(f"speculative k={k}", Overrides(mode="on", method="draft", k=k)) for k in ks] + \
-        [("auto (policy)", Overrides(mode="auto"))]
+def _modes(ks: list[int]) -> list[tuple[str, Speculation]]:
+    return [("plain", Speculation(mode="off"))] + \
+        [(f"speculative k={k}", Speculation(mode="on", method="draft", k=k)) for k in ks] + \
+        [("auto (policy)", Speculation(mode="auto"))]
 
 
 @contextlib.contextmanager
@@ -175,7 +175,7 @@ def _local_rows(args, spec, prompts, progress, modes=None, label="") -> list[dic
     return rows
 
 
-def _one_local(built, ids: list[int], max_tokens: int, wanted: Overrides
+def _one_local(built, ids: list[int], max_tokens: int, wanted: Speculation
                ) -> tuple[float, float | None]:
     """One greedy request through the in-process engine: (tokens/s, mean acceptance)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -263,7 +263,7 @@ def _paired_rows(args, spec, app_args: dict, prompts, progress
             for config, (rates, mal) in table.items()], overhead
 
 
-def _speculative_field(wanted: Overrides) -> dict:
+def _speculative_field(wanted: Speculation) -> dict:
     """The request's "speculative" extension field for these overrides."""
     return {k: v for k, v in {"mode": wanted.mode, "method": wanted.method,
                               "k": wanted.k}.items() if v is not None}
@@ -303,7 +303,7 @@ def _split(app_args: dict, overlap: str) -> dict:
 def _split_variants(args, app_args: dict) -> list[tuple[str, dict, list]]:
     if not args.split:
         return []
-    modes = [(f"speculative k={k}", Overrides(mode="on", method="draft", k=k))
+    modes = [(f"speculative k={k}", Speculation(mode="on", method="draft", k=k))
              for k in args.k]
     return [(", 1+1 cores, sequential", _split(app_args, "off"), modes),
             (", 1+1 cores, overlapped", _split(app_args, "on"), modes)]

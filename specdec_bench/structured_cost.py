@@ -54,12 +54,12 @@ SCHEMA = {"type": "object", "additionalProperties": False,
 def _ours(built, ids, label: str, mode: str, schema: bool, tokens: int) -> tuple[float, bool]:
     from specdec.model.step.grammar import GrammarSpec
     from specdec.model.step.sampling import SamplingParams
-    from specdec.policy.engine_policy import Overrides
+    from specdec.spec_decode.speculation import Speculation
 
     grammar = GrammarSpec("json_schema", json.dumps(SCHEMA)) if schema else None
     params = SamplingParams(temperature=0.0, max_tokens=tokens, grammar=grammar)
-    over = {"off": Overrides(mode="off"), "auto": Overrides(),
-            "on": Overrides(mode="on", method="draft", k=3)}[mode]
+    over = {"off": Speculation(mode="off"), "auto": Speculation(),
+            "on": Speculation(mode="on", method="draft", k=3)}[mode]
     suffix = built.engine.proposers.get("suffix")
     if suffix is not None:
         suffix.forget()  # the other variants just answered this ask: a reply no user has seen

@@ -33,9 +33,10 @@ from specdec.model.step.step_mode import with_step
 from specdec.pack import hub
 from specdec.pack.tokenizer import IncompatibleDraft, check_same_tokenizer, load_tokenizer
 from specdec.policy.decide import Decision
-from specdec.policy.engine_policy import EnginePolicy, Overrides
+from specdec.policy.engine_policy import EnginePolicy
 from specdec.spec_decode.proposal import Proposer, draft_held_prefix
 from specdec.spec_decode.proposers import DraftModelProposer, NgramProposer
+from specdec.spec_decode.speculation import AUTO, Speculation
 from specdec.spec_decode.suffix import SuffixProposer
 from specdec.spec_decode.target_runner import LocalTargetRunner, TargetRunner
 
@@ -170,12 +171,12 @@ class AssembledEngine:
         return self.engine.proposers.get("draft")
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               wanted: Overrides | None = None, on_output=None,
+               wanted: Speculation | None = None, on_output=None,
                tenant: str | None = None) -> tuple[Request, Decision]:
         """Decide this request's speculation from the engine's own load (the policy), then
         queue it: the path every served request takes. Raises EngineError (a bad override)
         or CapacityError (queue full)."""
-        wanted = wanted or Overrides()
+        wanted = wanted or AUTO
         down = getattr(self.engine.target, "down", None)
         if down:
             raise TargetDown(f"{down}; retry shortly")
@@ -192,9 +193,7 @@ class AssembledEngine:
         # plain rows it could have matched.
         method = decision.standby or decision.method
         req = Request(request_id, prompt_ids, params, method, decision.k, on_output,
-                      fixed_k=wanted.k is not None or wanted.mode == "off",
-                      speculate=wanted.mode == "on" and decision.mode == "speculative",
-                      pinned_method=wanted.method is not None, tenant=tenant)
+                      speculation=wanted, tenant=tenant)
         self.engine.add_request(req)
         return req, decision
 
@@ -271,8 +270,8 @@ def warm_up(engine: Engine) -> None:
     reqs = [Request("warmup-plain", prompt, SamplingParams(temperature=0.0, max_tokens=3,
                                                             ignore_eos=True))]
     for method in engine.proposers:
-        reqs.append(Request(f"warmup-{method}", prompt, SamplingParams(
-            temperature=0.7, max_tokens=6, ignore_eos=True, seed=0), method, 2, fixed_k=True))
+        reqs.append(Request.pinned(f"warmup-{method}", prompt, SamplingParams(
+            temperature=0.7, max_tokens=6, ignore_eos=True, seed=0), method, 2))
     engine.run(reqs)
     _forget(engine)
 

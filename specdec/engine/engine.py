@@ -325,14 +325,14 @@ class Engine:
             # Down (a draft being rebuilt): a plain round, which says nothing about how
             # often its guesses are kept, so nothing is counted against it.
             return 0
-        if self.choose_k is None or req.fixed_k:
+        if self.choose_k is None or req.speculation.pins_k:
             k = req.k
         else:
             # The context the draft has not seen: priced against what the row has left.
             catchup = len(seq.tokens) - seq.draft_seen if req.method == "draft" else 0
             k = self.choose_k(self._view(), req, seq.spec, len(self._running),
                               catchup=catchup)
-        if req.speculate:  # asked for: a guess every round, whatever the costs say
+        if req.speculation.on:  # asked for: a guess every round, whatever the costs say
             k = max(k, 1)
         remaining = req.params.max_tokens - seq.generated
         room = self.target.max_len - seq.cached - pending
@@ -345,7 +345,7 @@ class Engine:
         suffix = self.proposers.get("suffix")
         k = getattr(suffix, "plain_rows_k", 0) if suffix is not None else 0
         req, free = seq.req, seq.free
-        if not k or (req.fixed_k and req.k == 0) or not suffix.available:
+        if not k or (req.speculation.pins_k and req.k == 0) or not suffix.available:
             return 0
         if free.drafted >= 8 and free.accepted < 0.5 * free.drafted:
             return 0
@@ -362,7 +362,8 @@ class Engine:
         has already drafted this round during the last step), nor in a policy probe (the
         probe is there to time the draft's round)."""
         req = seq.req
-        return req.method == "draft" and not req.pinned_method and not req.fixed_k \
+        return req.method == "draft" and not req.speculation.pins_method \
+            and not req.speculation.pins_k \
             and not overlapped and not probing
 
     def _advance(self, seq: Seq, row, res: TargetResult,

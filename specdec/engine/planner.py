@@ -299,7 +299,7 @@ def _prefill_catchups(prefill: list[Seq], rows: list[TargetRow], overlapped: boo
         end = ends.get(seq.req.request_id, 0)
         if seq.req.method != "draft" or end <= seq.draft_seen:
             continue
-        if not overlapped and not (seq.req.speculate or seq.req.k > 0):
+        if not overlapped and not (seq.req.speculation.on or seq.req.k > 0):
             continue
         out.append(ProposeInput(seq.req.request_id, seq.tokens[:end], 1, seq.req.params,
                                 catchup_only=True, catchup=end - seq.draft_seen))

@@ -9,8 +9,8 @@ from typing import Literal
 from specdec.errors import ErrorKind
 from specdec.model.step.sampling import SamplingParams
 from specdec.spec_decode.counters import SpecCounters
+from specdec.spec_decode.speculation import AUTO, Method, Speculation
 
-Method = Literal["draft", "ngram", "suffix", "none"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -19,19 +19,24 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    # What admission chose (the policy's Decision, or the caller's pin): the method, and k
+    # for the first round (0 = plain decoding). Each later round's k is Engine._k_for's.
     method: Method = "none"
-    k: int = 0                       # draft tokens per round; 0 = plain decoding
+    k: int = 0
     on_output: Callable[[RequestOutput], None] | None = None
-    fixed_k: bool = False            # the caller pinned k: the policy must not revisit it
-    # The caller asked for speculation (mode "on"): every round drafts at least one guess
-    # while its proposer is up, whatever the policy's costs say.
-    speculate: bool = False
-    # The caller named the method: every round uses it (with `auto`'s choice instead, a
-    # round may take the suffix index's guesses where they beat the draft's, for free).
-    pinned_method: bool = False
+    # What the caller asked of speculation: what it fixed, the policy may not revisit.
+    speculation: Speculation = AUTO
     arrival: float = 0.0             # time.monotonic() when the engine took it (set there)
     # Who sent it (the OpenAI `user` field): scopes the suffix index where that is per user.
     tenant: str | None = None
+
+    @classmethod
+    def pinned(cls, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               method: Method, k: int, **kw) -> Request:
+        """A request whose method and k are fixed: every round drafts k with `method`
+        (k = 0: plain). What calibration, the benchmarks and the tests run."""
+        return cls(request_id, prompt_ids, params, method, k,
+                   speculation=Speculation(method=method, k=k), **kw)
 
 
 @dataclasses.dataclass(kw_only=True)

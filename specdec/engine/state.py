@@ -135,7 +135,7 @@ KChooser = Callable[..., int]
 
 def pinned_plain(req: Request) -> bool:
     """Plain for good: no method, or plain pinned by the caller (k fixed at 0)."""
-    return req.method == "none" or (req.fixed_k and req.k == 0)
+    return req.method == "none" or (req.speculation.pins_k and req.k == 0)
 
 
 def load_report(waiting: int, pinned_waiting: int, running: list[Seq], free_slots: int,
@@ -152,8 +152,9 @@ def load_report(waiting: int, pinned_waiting: int, running: list[Seq], free_slot
         # a step shape for them), and rows that asked for speculation whatever it costs.
         "following": dict(collections.Counter(
             s.req.method for s in running if not pinned_plain(s.req)
-            and not s.req.fixed_k)),
-        "speculating_on_request": sum(s.req.speculate for s in running),
+            and not s.req.speculation.pins_k)),
+        "speculating_on_request": sum(s.req.speculation.on and not pinned_plain(s.req)
+                                      for s in running),
         "free_slots": free_slots,
         "tokens_per_step": sum(r.tokens for r in recent) / n,
         # The typical step's prefill (median over the last 16 steps, idle ones as 0;

@@ -15,6 +15,7 @@ import math
 
 from specdec.policy.cost_model import DraftCostModel, StepCostModel, expected_tokens_per_round
 from specdec.policy.settings import PolicySettings
+from specdec.spec_decode.speculation import AUTO, Speculation
 
 
 @dataclasses.dataclass
@@ -34,6 +35,37 @@ class Load:
     # (specdec_bench/mixed_batch.py; specdec_bench/RESULTS.md, "Mixed batches"), so the policy
     # never makes one.
     pinned: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Acceptance:
+    """What each method's guesses are worth: alpha (the i.i.d. model's chance a guess is
+    kept) and, where measured, the curve r_i (the chance the i-th guess of a round is kept;
+    AcceptanceTracker.curve), which decide() prefers."""
+
+    alpha: dict[str, float]
+    curves: dict[str, list[float]] | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RoundCosts:
+    """What a round costs on this engine: the target's step as a function of its tokens,
+    the draft's k-guess round where measured (else k * draft_cost_ratio of a plain step),
+    and whether the draft runs while the target verifies (specdec/spec_decode/overlap.py:
+    a draft round then costs max(k*c, v) instead of k*c + v)."""
+
+    step: StepCostModel
+    draft: DraftCostModel | None = None
+    overlapped: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OwnRecord:
+    """A running request's own rounds: how many, and the guesses tried and kept."""
+
+    rounds: int = 0
+    trials: int = 0
+    kept: int = 0
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -61,20 +93,16 @@ class Decision:
         return dataclasses.asdict(self)
 
 
-def decide(config: PolicySettings, methods: list[str], alpha: dict[str, float],
-           expected_tokens: float, load: Load, cost: StepCostModel,
-           forced_method: str | None = None, forced_k: int | None = None,
-           draft_cost: DraftCostModel | None = None,
-           curves: dict[str, list[float]] | None = None,
-           overlapped: bool = False, speculate: bool = False) -> Decision:
-    """Choose method and k for a request about to start (or for its next round).
+def decide(config: PolicySettings, methods: list[str], acceptance: Acceptance,
+           expected_tokens: float, load: Load, costs: RoundCosts,
+           ask: Speculation = AUTO) -> Decision:
+    """Choose method and k for a request about to start (or for its next round), among
+    `methods` (those available), for `expected_tokens` more output; what the request fixed
+    (`ask`: its method, its k, mode "on") is taken as given.
 
-    overlapped (specdec/spec_decode/overlap.py): the draft drafts while the target verifies, so a
-    draft-model round costs max(k*c, v) instead of k*c + v (and the draft stops when the
-    target is done: guesses beyond what fits in v are not made).
-
-    Tokens per round come from the method's measured acceptance curve (r_i, see
-    AcceptanceTracker.curve) when given, else from the i.i.d. model with alpha.
+    Tokens per round come from the method's measured acceptance curve when given, else
+    from the i.i.d. model with alpha. Under overlap the draft stops when the target is
+    done: guesses beyond what fits in v are not made.
 
     The draft's cost of a k-guess round is the fitted draft time over the fitted plain step
     time when both are measured, else k * config.draft_cost_ratio.
@@ -83,9 +111,10 @@ def decide(config: PolicySettings, methods: list[str], alpha: dict[str, float],
     (they all follow it), so the verify holds (rows - pinned) * k guesses and the draft runs
     that many rows; the speedup is the batch's goodput over its all-plain goodput.
 
-    speculate (the request asked for it, mode "on"): the best k >= 1 whatever it is worth;
-    plain only when no proposer is available."""
-    inputs = _inputs(expected_tokens, load, alpha, curves)
+    Mode "on": the best k >= 1 whatever it is worth; plain only when no proposer is
+    available."""
+    forced_method, forced_k, speculate = ask.method, ask.k, ask.on
+    inputs = _inputs(expected_tokens, load, acceptance)
     if not methods:
         return Decision.plain("no proposer available", "no_proposer", inputs=inputs)
     if expected_tokens < config.min_expected_tokens and forced_k is None and not speculate:
@@ -93,8 +122,8 @@ def decide(config: PolicySettings, methods: list[str], alpha: dict[str, float],
                               f"< {config.min_expected_tokens} tokens)", "short_output",
                               inputs=inputs)
     ks = [forced_k] if forced_k is not None else list(range(1, config.k_max + 1))
-    best = _best_round(config, [forced_method] if forced_method else methods, ks, alpha,
-                       load, cost, draft_cost, curves, overlapped, inputs)
+    best = _best_round(config, [forced_method] if forced_method else methods, ks,
+                       acceptance, load, costs, inputs)
     if forced_k is not None or speculate:
         best.why = "forced" if forced_k is not None else "request"
         return best
@@ -108,9 +137,9 @@ def decide(config: PolicySettings, methods: list[str], alpha: dict[str, float],
     return best
 
 
-def _inputs(expected_tokens: float, load: Load, alpha: dict[str, float],
-            curves: dict[str, list[float]] | None) -> dict:
+def _inputs(expected_tokens: float, load: Load, acceptance: Acceptance) -> dict:
     """What a decision saw, as the response's spec_decode.inputs reports it."""
+    alpha, curves = acceptance.alpha, acceptance.curves
     inputs = {"expected_tokens": round(expected_tokens, 1) if math.isfinite(expected_tokens)
               else None, "running": load.running, "pinned": load.pinned,
               "waiting": load.waiting, "prefill_tokens": round(load.prefill_tokens, 1),
@@ -121,10 +150,11 @@ def _inputs(expected_tokens: float, load: Load, alpha: dict[str, float],
 
 
 def _best_round(config: PolicySettings, methods: list[str], ks: list[int],
-                alpha: dict[str, float], load: Load, cost: StepCostModel,
-                draft_cost: DraftCostModel | None, curves: dict[str, list[float]] | None,
-                overlapped: bool, inputs: dict) -> Decision:
+                acceptance: Acceptance, load: Load, costs: RoundCosts,
+                inputs: dict) -> Decision:
     """The speculative (method, k) with the highest expected goodput, worth it or not."""
+    alpha, curves = acceptance.alpha, acceptance.curves
+    cost, draft_cost, overlapped = costs.step, costs.draft, costs.overlapped
     rows = max(load.running, 1)
     drafting = max(rows - min(load.pinned, rows - 1), 1)  # the rows that follow the decision
     base = rows + load.prefill_tokens  # a plain step: one token per row
@@ -153,30 +183,31 @@ def _best_round(config: PolicySettings, methods: list[str], ks: list[int],
     return best
 
 
-def revisit(config: PolicySettings, method: str, own_trials: int, own_kept: int,
-            rounds: int, method_alpha: float, load: Load, cost: StepCostModel,
-            draft_cost: DraftCostModel | None = None, curve: list[float] | None = None,
-            overlapped: bool = False, speculate: bool = False) -> int:
+def revisit(config: PolicySettings, method: str, own: OwnRecord, acceptance: Acceptance,
+            load: Load, costs: RoundCosts, speculate: bool = False) -> int:
     """k for a running request's next round: its own acceptance (once trusted) blended with
-    the method's, under the current load; 0 when its acceptance collapsed. The method's
-    curve is rescaled by (blended alpha / method alpha)^i for this request. The same for a
-    request admitted plain on standby for method (Decision.standby): it speculates as soon
-    as the batch's decision does."""
+    the method's (`acceptance`), under the current load; 0 when its acceptance collapsed,
+    unless it asked for speculation (`speculate`, mode "on"). The method's curve is rescaled
+    by (blended alpha / method alpha)^i for this request. The same for a request admitted
+    plain on standby for method (Decision.standby): it speculates as soon as the batch's
+    decision does."""
     if method == "none":
         return 0
-    if rounds >= config.collapse_rounds and own_trials:
-        own = own_kept / own_trials
-        if own < config.collapse_alpha and not speculate:
+    method_alpha = acceptance.alpha.get(method, 0.5)
+    curve = (acceptance.curves or {}).get(method)
+    rounds = own.rounds
+    if rounds >= config.collapse_rounds and own.trials:
+        own_alpha = own.kept / own.trials
+        if own_alpha < config.collapse_alpha and not speculate:
             return 0
         w = min(1.0, rounds / (4.0 * config.collapse_rounds))
-        alpha = w * own + (1 - w) * method_alpha
+        alpha = w * own_alpha + (1 - w) * method_alpha
     else:
         alpha = method_alpha
     curves = None
     if curve:
         ratio = alpha / max(method_alpha, 1e-6)
         curves = {method: [min(1.0, r * ratio ** i) for i, r in enumerate(curve, 1)]}
-    d = decide(config, [method], {method: alpha}, math.inf, load, cost, forced_method=method,
-               draft_cost=draft_cost, curves=curves, overlapped=overlapped,
-               speculate=speculate)
+    d = decide(config, [method], Acceptance(alpha={method: alpha}, curves=curves), math.inf,
+               load, costs, Speculation(mode="on" if speculate else "auto", method=method))
     return d.k

@@ -14,7 +14,6 @@ curve) and completion lengths per prompt-length bucket, from served requests onl
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import threading
@@ -24,8 +23,11 @@ from specdec.errors import EngineError
 from specdec.policy.catchup import CATCHUP_SAMPLE_MIN, catchup_refused
 from specdec.policy.cost_model import CatchupCost, DraftCostModel, StepCostModel
 from specdec.policy.decide import (
+    Acceptance,
     Decision,
     Load,
+    OwnRecord,
+    RoundCosts,
     decide,
     revisit,
 )
@@ -33,17 +35,9 @@ from specdec.policy.estimators import AcceptanceTracker, LengthEstimator
 from specdec.policy.probes import Probe, Prober
 from specdec.policy.settings import PolicySettings
 from specdec.policy.view import EngineView
+from specdec.spec_decode.speculation import AUTO, Speculation
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class Overrides:
-    """What a request says about speculation (the API's `speculative` field)."""
-
-    mode: str = "auto"            # auto | on | off
-    method: str | None = None     # draft | ngram
-    k: int | None = None
 
 
 class EnginePolicy:
@@ -72,7 +66,7 @@ class EnginePolicy:
     # ---- admission -------------------------------------------------------------------
 
     def admit(self, load: dict, methods: list[str], prompt_tokens: int, max_tokens: int,
-              has_stop: bool, wanted: Overrides, catchup: int = 0) -> Decision:
+              has_stop: bool, wanted: Speculation, catchup: int = 0) -> Decision:
         """Plain or speculative, method and k for a request about to join this engine.
         load: Engine.load(); methods: the proposers available right now; catchup: tokens of
         the prompt the draft would have to compute before its first guess (the prompt less
@@ -113,8 +107,7 @@ class EnginePolicy:
         if wanted.mode == "off":
             return Decision.plain("request asked for plain decoding", "request")
         lw = self._load(load, joining=1)
-        alpha = {m: self.acceptance.alpha(m) for m in methods}
-        curves = {m: self.acceptance.curve(m, self.config.k_max) for m in methods}
+        measured = self._measured(methods)
         if wanted.mode == "on":
             method = wanted.method or ("draft" if "draft" in methods else
                                        "ngram" if "ngram" in methods else None)
@@ -123,12 +116,12 @@ class EnginePolicy:
                                       f"available (available: {methods})", "no_proposer")
             # "on" means speculate, every round: the request's k, or the best k >= 1 even
             # below break-even (the engine holds every round of it to k >= 1).
-            d = self._decide([method], alpha, math.inf, lw, curves, method, wanted.k,
-                             speculate=True)
+            d = self._decide([method], measured, math.inf, lw,
+                             Speculation(mode="on", method=method, k=wanted.k))
             d.reason, d.why = "request asked for speculation; " + d.reason, "request"
             return d
         expected = self.lengths.expected(prompt_tokens, max_tokens, has_stop)
-        d = self._decide(methods, alpha, expected, lw, curves, wanted.method, wanted.k)
+        d = self._decide(methods, measured, expected, lw, wanted)
         if d.why == "no_gain" and "draft" in methods and wanted.method is None:
             # On standby for the draft, not the n-gram lookup that priced a hair better:
             # the standby method is what the per-step decision and its probes measure, and
@@ -142,8 +135,9 @@ class EnginePolicy:
                 # Keep testing speculation now and then (a draft back from an outage, a
                 # workload that became predictable): the estimate learns only from trials.
                 self._plain_decisions = 0
-                method = max(methods, key=lambda m: alpha.get(m, 0.0))
-                e = self._decide([method], alpha, expected, lw, curves, method, 2)
+                method = max(methods, key=lambda m: measured.alpha.get(m, 0.0))
+                e = self._decide([method], measured, expected, lw,
+                                 Speculation(method=method, k=2))
                 e.reason, e.why = f"exploring: {d.reason}", "explore"
                 return e
         return d
@@ -152,15 +146,24 @@ class EnginePolicy:
         """Whether speculation would pay at this load with a draft that is nearly always
         right. If not, the load alone rules it out, and exploring would only cost: every
         explored row lengthens a verify that the whole batch waits for."""
-        sure = {m: 0.95 for m in methods}
-        curves = {m: [0.95 ** i for i in range(1, self.config.k_max + 1)] for m in methods}
-        return self._decide(methods, sure, expected, load, curves).mode == "speculative"
+        sure = Acceptance(
+            alpha={m: 0.95 for m in methods},
+            curves={m: [0.95 ** i for i in range(1, self.config.k_max + 1)] for m in methods})
+        return self._decide(methods, sure, expected, load).mode == "speculative"
 
-    def _decide(self, methods, alpha, expected, load, curves, method=None, k=None,
-                speculate: bool = False) -> Decision:
-        return decide(self._config(), methods, alpha, expected, load, self.step_cost,
-                      forced_method=method, forced_k=k, draft_cost=self.draft_round_cost,
-                      curves=curves, overlapped=self._overlapped, speculate=speculate)
+    def _measured(self, methods: list[str]) -> Acceptance:
+        """The methods' acceptance as measured so far."""
+        return Acceptance(alpha={m: self.acceptance.alpha(m) for m in methods},
+                          curves={m: self.acceptance.curve(m, self.config.k_max)
+                                  for m in methods})
+
+    def _costs(self) -> RoundCosts:
+        return RoundCosts(step=self.step_cost, draft=self.draft_round_cost,
+                          overlapped=self._overlapped)
+
+    def _decide(self, methods: list[str], acceptance: Acceptance, expected: float,
+                load: Load, ask: Speculation = AUTO) -> Decision:
+        return decide(self._config(), methods, acceptance, expected, load, self._costs(), ask)
 
     def _config(self) -> PolicySettings:
         if self.draft_cost is None:
@@ -193,12 +196,11 @@ class EnginePolicy:
         repay that stays plain (a probe included); one that asked for speculation pays it."""
         with self._lock:
             k = self._choose_k(engine, req, spec)
-            if k and catchup > self.config.k_max + 1 and not req.speculate and \
+            if k and catchup > self.config.k_max + 1 and not req.speculation.on and \
                     req.method == "draft":
                 load = self._load(engine.load())
-                alpha = {req.method: self.acceptance.alpha(req.method)}
-                curves = {req.method: self.acceptance.curve(req.method, self.config.k_max)}
-                d = self._decide([req.method], alpha, math.inf, load, curves, req.method, k)
+                d = self._decide([req.method], self._measured([req.method]), math.inf, load,
+                                 Speculation(method=req.method, k=k))
                 probed = self._probe is not None and self._probe.k == k
                 if self._catchup_refused(d, catchup, self._remaining(req, spec), load,
                                          trial=probed):
@@ -214,7 +216,7 @@ class EnginePolicy:
         # A probe overrides the policy's k for the rows that follow it: a plain step for all
         # but those that asked for speculation, a verify of k for the rows of its method.
         if probe is not None:
-            if probe.kind == "plain" and not req.speculate:
+            if probe.kind == "plain" and not req.speculation.on:
                 return 0
             if probe.kind == "verify" and req.method == probe.method:
                 return probe.k
@@ -223,16 +225,16 @@ class EnginePolicy:
         if spec.rounds >= self.config.collapse_rounds and own:
             bucket = round(10 * spec.accepted / own)
         key = (req.method, req.k, bucket, spec.rounds >= self.config.collapse_rounds,
-               req.speculate)
+               req.speculation.on)
         if key not in self._k_cache:
             load = self._load(engine.load())
             # The request's own acceptance, as its bucket (trials 10, kept = bucket).
             trials, kept = (0, 0) if bucket is None else (10, bucket)
             self._k_cache[key] = revisit(
-                self._config(), req.method, trials, kept, spec.rounds,
-                self.acceptance.alpha(req.method), load, self.step_cost,
-                self.draft_round_cost, self.acceptance.curve(req.method, self.config.k_max),
-                overlapped=self._overlapped, speculate=req.speculate)
+                self._config(), req.method,
+                OwnRecord(rounds=spec.rounds, trials=trials, kept=kept),
+                self._measured([req.method]), load, self._costs(),
+                speculate=req.speculation.on)
         return self._k_cache[key]
 
     def probing(self) -> Probe | None:
@@ -247,10 +249,10 @@ class EnginePolicy:
     def _plan_probe(self, raw: dict) -> Probe | None:
         def shapes(method: str, load: Load, stale) -> list[Decision]:
             """The batch's own decision, then every stale k's, for the prober to rank."""
-            alpha = {method: self.acceptance.alpha(method)}
-            curves = {method: self.acceptance.curve(method, self.config.k_max)}
-            batch = self._decide([method], alpha, math.inf, load, curves, method)
-            return [batch] + [self._decide([method], alpha, math.inf, load, curves, method, k)
+            measured = self._measured([method])
+            batch = self._decide([method], measured, math.inf, load, Speculation(method=method))
+            return [batch] + [self._decide([method], measured, math.inf, load,
+                                           Speculation(method=method, k=k))
                               for k in range(1, self.config.k_max + 1)
                               if k != batch.k and stale(k)]
 
@@ -348,11 +350,11 @@ class EnginePolicy:
             return []
         step, draft = self.step_cost, self.draft_round_cost
         plain = step.step_seconds(1)
-        alpha = {"draft": self.acceptance.alpha("draft")}
-        curves = {"draft": self.acceptance.curve("draft", self.config.k_max)}
+        measured = self._measured(["draft"])
         out = []
         for k in range(1, self.config.k_max + 1):
-            d = self._decide(["draft"], alpha, math.inf, Load(1), curves, "draft", k)
+            d = self._decide(["draft"], measured, math.inf, Load(1),
+                             Speculation(method="draft", k=k))
             drafted = draft.round_seconds(k, 1)
             verify = step.step_seconds(1 + k)
             out.append({

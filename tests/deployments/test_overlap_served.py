@@ -34,7 +34,7 @@ def test_overlap_across_actors_equals_plain(ray_local, tiny_llama, tiny_llama_fa
     spec = tiny_spec(tiny_llama, tiny_llama_far_draft, target={"tp": 2},
                      draft={"tp": draft_tp}, runtime={"max_slots": 3}, overlap="on")
     with ray_engine(spec) as built:
-        reqs = [Request(f"r{i}", p, greedy(32), "draft", k, fixed_k=True)
+        reqs = [Request.pinned(f"r{i}", p, greedy(32), "draft", k)
                 for i, (p, k) in enumerate(zip(prompts, (1, 2, 3, 4, 6), strict=True))]
         out = built.engine.run(reqs)
         for i, e in enumerate(expected):
@@ -54,7 +54,7 @@ def test_draft_killed_mid_overlap_fails_no_request(ray_local, tiny_llama, tiny_l
     with ray_engine(spec) as built:
         engine = built.engine
         for i, p in enumerate(prompts):
-            engine.add_request(Request(f"r{i}", p, greedy(100), "draft", 3, fixed_k=True))
+            engine.add_request(Request.pinned(f"r{i}", p, greedy(100), "draft", 3))
         final = {}
         killed = False
         while engine.has_work():
@@ -75,8 +75,7 @@ def test_draft_killed_mid_overlap_fails_no_request(ray_local, tiny_llama, tiny_l
             time.sleep(0.2)
         assert built.draft.available
         engine.history.clear()
-        again = engine.run([Request("again", prompts[0], greedy(24), "draft", 3,
-                                    fixed_k=True)])["again"]
+        again = engine.run([Request.pinned("again", prompts[0], greedy(24), "draft", 3)])["again"]
         assert again.token_ids == expected[0][:24]
         assert any(r.overlapped and r.draft_bytes for r in engine.history)
 

@@ -150,7 +150,7 @@ def test_standby_requests_follow_the_batch_decision(tiny_llama, tiny_llama_draft
     assert first.mode == "speculative"  # priced alone
     assert last.mode == "plain" and last.standby == "draft"  # priced in a batch of 4
     assert admitted[3][0].method == "draft" and admitted[3][0].k == 0
-    assert not admitted[3][0].fixed_k
+    assert not admitted[3][0].speculation.pins_k
     final = {}
     while engine.has_work():
         final.update({o.request_id: o for o in engine.step() if o.finished})

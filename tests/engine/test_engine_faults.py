@@ -21,7 +21,7 @@ def test_a_draft_that_is_down_counts_no_failed_guesses_and_speculation_resumes(
     engine = make_engine(tiny_llama, tiny_llama_draft)
     draft = engine.proposers["draft"]
     prompt = random_prompts((6,), seed=4)[0]
-    engine.add_request(Request("r", prompt, greedy(60), "draft", 3, fixed_k=True))
+    engine.add_request(Request.pinned("r", prompt, greedy(60), "draft", 3))
     for _ in range(3):
         engine.step()
     draft.available = False           # an outage: the engine must not even ask
@@ -49,7 +49,7 @@ def test_a_proposer_that_raises_costs_a_plain_round_not_acceptance(tiny_llama, t
 
     draft.propose = flaky
     prompt = random_prompts((7,), seed=5)[0]
-    out = engine.run([Request("r", prompt, greedy(40), "draft", 3, fixed_k=True)])["r"]
+    out = engine.run([Request.pinned("r", prompt, greedy(40), "draft", 3)])["r"]
     assert out.finish_reason == "length" and out.spec.empty_proposals == 0
     assert out.spec.plain_steps >= 1 and out.token_ids == plain(tiny_llama, prompt, 40)
 

@@ -36,7 +36,7 @@ def _run(engine: Engine, prefix: str) -> list[StepRecord]:
     records: list[StepRecord] = []
     engine.on_step.append(records.append)
     prompts = random_prompts([9, 14])
-    engine.run([Request(f"{prefix}{i}", p, greedy(10), "draft", 2, fixed_k=True)
+    engine.run([Request.pinned(f"{prefix}{i}", p, greedy(10), "draft", 2)
                 for i, p in enumerate(prompts)])
     engine.on_step.remove(records.append)
     return records

@@ -36,7 +36,7 @@ def test_a_seeded_request_gives_the_same_tokens_however_it_is_decoded(tiny_llama
     engine = make_engine(tiny_llama, tiny_llama_draft)
     for method, k in (("none", 0), ("draft", 1), ("draft", 2), ("draft", 4), ("ngram", 3)):
         runs[f"{method} k={k}"] = engine.run(
-            [Request("a", prompt, params, method, k, fixed_k=True)])["a"].token_ids
+            [Request.pinned("a", prompt, params, method, k)])["a"].token_ids
     # Beside other traffic (its k and batch then change step by step), and again after it,
     # from the prefix cache.
     mixed = engine.run([Request("a", prompt, params, "draft", 3),

@@ -92,7 +92,7 @@ def test_plain_rows_verify_free_guesses_token_identical(tiny_llama):
     assert all(o.spec.drafted == 0 for o in out.values())  # the request's own: plain
     pinned = _engine(tiny_llama, plain_rows_k=4)
     pinned.run([Request("a", prompts[0], greedy(32), "none", 0)])
-    pinned.run([Request("b", prompts[0], greedy(32), "none", 0, fixed_k=True)])
+    pinned.run([Request.pinned("b", prompts[0], greedy(32), "none", 0)])
     assert pinned.totals["suffix"].drafted == 0
 
 

@@ -19,6 +19,7 @@ from engine_helpers import (
 )
 
 from specdec.engine.request import Request
+from specdec.spec_decode.speculation import Speculation
 from specdec.spec_decode.suffix import SuffixProposer
 
 
@@ -46,7 +47,7 @@ def test_a_repeated_answer_is_guessed_from_the_index_not_drafted(tiny_llama,
 def test_a_named_method_or_k_keeps_the_draft(tiny_llama, tiny_llama_far_draft):
     prompt = random_prompts((12,), seed=42)[0]
     expected = plain_reference(tiny_llama, [prompt], 30)[0]
-    for pin in ({"pinned_method": True}, {"fixed_k": True}):
+    for pin in ({"speculation": Speculation(method="draft")}, {"speculation": Speculation(k=2)}):
         engine = _engine(tiny_llama, tiny_llama_far_draft)
         engine.run([Request("first", prompt, greedy(30), "draft", 2)])
         again = engine.run([dataclasses.replace(

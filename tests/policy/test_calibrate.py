@@ -8,7 +8,7 @@ import torch
 from specdec.engine.assemble import LocalBackend, assemble
 from specdec.engine.spec import EngineSpec
 from specdec.model.step.sampling import SamplingParams
-from specdec.policy.engine_policy import Overrides
+from specdec.spec_decode.speculation import Speculation
 
 
 def spec_of(target, draft, warmup: bool) -> EngineSpec:
@@ -18,7 +18,7 @@ def spec_of(target, draft, warmup: bool) -> EngineSpec:
         "runtime": {"max_slots": 4, "max_len": 128}, "warmup": warmup})
 
 
-def run_one(built, rid: str, wanted: Overrides) -> None:
+def run_one(built, rid: str, wanted: Speculation) -> None:
     built.submit(rid, [5, 17, 33, 8, 21], SamplingParams(temperature=0.0, max_tokens=12,
                                                           ignore_eos=True), wanted)
     while built.engine.has_work():
@@ -53,7 +53,7 @@ def test_start_up_calibrates_costs_but_learns_no_acceptance(tiny_llama, tiny_lla
             assert built.engine.steps == 0 and not built.engine.history
             assert not policy.lengths.count
             # Served traffic then teaches it as usual.
-            run_one(built, "a", Overrides(mode="on", method="draft", k=3))
+            run_one(built, "a", Speculation(mode="on", method="draft", k=3))
             assert policy.step_cost.samples and policy.acceptance.trials["draft"] > 0
             # Cut at max_tokens: it says nothing about how long replies run by themselves.
             assert not policy.lengths.count
@@ -69,8 +69,8 @@ def test_the_engine_teaches_its_policy_in_one_process(tiny_llama, tiny_llama_dra
         with assemble(spec_of(tiny_llama, tiny_llama_draft, False), LocalBackend()) as built:
             policy = built.policy
             assert built.calibration is None and not policy.step_cost.anchors
-            run_one(built, "a", Overrides(mode="on", method="draft", k=2))
-            run_one(built, "b", Overrides(mode="off"))
+            run_one(built, "a", Speculation(mode="on", method="draft", k=2))
+            run_one(built, "b", Speculation(mode="off"))
             assert len(policy.step_cost.samples) == built.engine.steps
             assert policy.draft_round_cost.samples
             assert policy.acceptance.trials["draft"] > 0

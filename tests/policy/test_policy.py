@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from specdec.policy.cost_model import DraftCostModel, StepCostModel, expected_tokens_per_round
-from specdec.policy.decide import Load, decide, revisit
+from specdec.policy.decide import Acceptance, Load, OwnRecord, RoundCosts, decide, revisit
 from specdec.policy.engine_policy import EnginePolicy
 from specdec.policy.estimators import AcceptanceTracker, LengthEstimator
 from specdec.policy.settings import PolicySettings
+from specdec.spec_decode.speculation import Speculation
 
 CFG = PolicySettings()
 
@@ -26,21 +27,22 @@ def compute_bound_cost() -> StepCostModel:
 
 
 def test_short_outputs_go_plain():
-    d = decide(CFG, ["draft"], {"draft": 0.9}, 4, Load(running=1), flat_cost())
+    d = decide(CFG, ["draft"], Acceptance(alpha={"draft": 0.9}), 4, Load(running=1),
+               RoundCosts(step=flat_cost()))
     assert d.mode == "plain" and "short output" in d.reason and d.why == "short_output"
 
 
 def test_good_acceptance_at_light_load_speculates_with_the_cost_model_k():
-    d = decide(CFG, ["draft", "ngram"], {"draft": 0.9, "ngram": 0.2}, 200, Load(running=1),
-               flat_cost())
+    d = decide(CFG, ["draft", "ngram"], Acceptance(alpha={"draft": 0.9, "ngram": 0.2}), 200,
+               Load(running=1), RoundCosts(step=flat_cost()))
     k, s = best_k(0.9, CFG.draft_cost_ratio, CFG.k_max, 1.0)
     assert (d.mode, d.method, d.k, d.why) == ("speculative", "draft", k, "goodput")
     assert abs(d.expected_speedup - s) < 1e-9 and s > 1.5
 
 
 def test_heavy_compute_bound_load_goes_plain():
-    d = decide(CFG, ["draft"], {"draft": 0.8}, 200, Load(running=16),
-               compute_bound_cost())
+    d = decide(CFG, ["draft"], Acceptance(alpha={"draft": 0.8}), 200, Load(running=16),
+               RoundCosts(step=compute_bound_cost()))
     assert d.mode == "plain" and d.why == "no_gain"
 
 
@@ -48,24 +50,28 @@ def test_load_shrinks_k_before_turning_speculation_off():
     cost = StepCostModel()
     for t in (1, 5, 9, 20, 40, 2, 6, 30):
         cost.observe(t, 0.2 + 0.01 * t)  # partly compute bound
-    light = decide(CFG, ["draft"], {"draft": 0.85}, 200, Load(1, 0), cost)
-    heavy = decide(CFG, ["draft"], {"draft": 0.85}, 200, Load(12, 0), cost)
-    heavier = decide(CFG, ["draft"], {"draft": 0.85}, 200, Load(32, 0), cost)
+    light = decide(CFG, ["draft"], Acceptance(alpha={"draft": 0.85}), 200, Load(1, 0),
+                   RoundCosts(step=cost))
+    heavy = decide(CFG, ["draft"], Acceptance(alpha={"draft": 0.85}), 200, Load(12, 0),
+                   RoundCosts(step=cost))
+    heavier = decide(CFG, ["draft"], Acceptance(alpha={"draft": 0.85}), 200, Load(32, 0),
+                     RoundCosts(step=cost))
     assert light.k > heavy.k > 0
     assert heavier.mode == "plain"
 
 
 def test_cheap_ngram_wins_when_its_acceptance_is_decent():
-    d = decide(CFG, ["draft", "ngram"], {"draft": 0.5, "ngram": 0.6}, 200, Load(1), flat_cost())
+    d = decide(CFG, ["draft", "ngram"], Acceptance(alpha={"draft": 0.5, "ngram": 0.6}), 200,
+               Load(1), RoundCosts(step=flat_cost()))
     assert d.method == "ngram"
 
 
 def test_collapsed_request_acceptance_drops_to_plain():
-    k = revisit(CFG, "draft", own_trials=20, own_kept=2, rounds=10, method_alpha=0.9,
-                load=Load(1), cost=flat_cost())
+    k = revisit(CFG, "draft", OwnRecord(rounds=10, trials=20, kept=2),
+                Acceptance(alpha={"draft": 0.9}), Load(1), RoundCosts(step=flat_cost()))
     assert k == 0
-    k = revisit(CFG, "draft", own_trials=40, own_kept=36, rounds=10, method_alpha=0.9,
-                load=Load(1), cost=flat_cost())
+    k = revisit(CFG, "draft", OwnRecord(rounds=10, trials=40, kept=36),
+                Acceptance(alpha={"draft": 0.9}), Load(1), RoundCosts(step=flat_cost()))
     assert k >= 3
 
 
@@ -130,11 +136,14 @@ def test_a_fixed_draft_cost_per_round_favours_longer_drafts():
     flat = with_fit(DraftCostModel, (0.0, 0.07, 0.0))
     fixed = with_fit(DraftCostModel, (0.2, 0.02, 0.0))
     step = with_fit(StepCostModel, (0.2, 0.0))
-    a = decide(CFG, ["draft"], {"draft": 0.85}, 200, Load(1), step, draft_cost=flat)
-    b = decide(CFG, ["draft"], {"draft": 0.85}, 200, Load(1), step, draft_cost=fixed)
+    a = decide(CFG, ["draft"], Acceptance(alpha={"draft": 0.85}), 200, Load(1),
+               RoundCosts(step=step, draft=flat))
+    b = decide(CFG, ["draft"], Acceptance(alpha={"draft": 0.85}), 200, Load(1),
+               RoundCosts(step=step, draft=fixed))
     assert b.k > a.k > 0
     # Without a measured round cost the configured ratio is used.
-    c = decide(CFG, ["draft"], {"draft": 0.85}, 200, Load(1), step)
+    c = decide(CFG, ["draft"], Acceptance(alpha={"draft": 0.85}), 200, Load(1),
+               RoundCosts(step=step))
     assert c.k == best_k(0.85, CFG.draft_cost_ratio, CFG.k_max, 1.0)[0]
 
 
@@ -155,13 +164,15 @@ def test_acceptance_curve_starts_at_the_iid_prior_and_follows_measurements():
 def test_decide_uses_the_measured_curve_over_the_iid_model():
     step = with_fit(StepCostModel, (0.2, 0.0))
     alpha = {"draft": 0.8}
-    iid = decide(CFG, ["draft"], alpha, 200, Load(1), step)
+    iid = decide(CFG, ["draft"], Acceptance(alpha=alpha), 200, Load(1), RoundCosts(step=step))
     # Same alpha, but guesses after the first two are almost never kept.
-    steep = decide(CFG, ["draft"], alpha, 200, Load(1), step,
-                   curves={"draft": [0.9, 0.8, 0.05, 0.01, 0.0, 0.0]})
+    steep = decide(CFG, ["draft"],
+                   Acceptance(alpha=alpha, curves={"draft": [0.9, 0.8, 0.05, 0.01, 0.0, 0.0]}), 200,
+                   Load(1), RoundCosts(step=step))
     # Once a round gets going it keeps going: long drafts pay.
-    flat = decide(CFG, ["draft"], alpha, 200, Load(1), step,
-                  curves={"draft": [0.8, 0.78, 0.77, 0.76, 0.75, 0.75]})
+    flat = decide(CFG, ["draft"],
+                  Acceptance(alpha=alpha, curves={"draft": [0.8, 0.78, 0.77, 0.76, 0.75, 0.75]}),
+                  200, Load(1), RoundCosts(step=step))
     assert steep.k == 2 < iid.k < flat.k == CFG.k_max
     assert steep.inputs["acceptance_curve"]["draft"][2] == 0.05
 
@@ -187,9 +198,10 @@ def test_after_an_outage_the_policy_explores_and_speculates_again():
     'plain'; a share of requests still speculates, their good rounds restore the estimate,
     and the policy speculates on every request again."""
     from specdec.engine.request import RequestOutput
-    from specdec.policy.engine_policy import EnginePolicy, Overrides
+    from specdec.policy.engine_policy import EnginePolicy
     from specdec.policy.settings import PolicySettings
     from specdec.spec_decode.counters import SpecCounters
+    from specdec.spec_decode.speculation import Speculation
 
     policy = EnginePolicy(PolicySettings(acceptance_half_life=400, explore_share=0.1))
     load = {"running": 0, "waiting": 0}
@@ -205,11 +217,11 @@ def test_after_an_outage_the_policy_explores_and_speculates_again():
 
     for _ in range(40):
         finish(0, 10)                     # nothing kept
-    modes = [policy.admit(load, ["draft"], 10, 200, False, Overrides()).mode for _ in range(40)]
+    modes = [policy.admit(load, ["draft"], 10, 200, False, Speculation()).mode for _ in range(40)]
     assert modes.count("speculative") == 4 and modes.count("plain") == 36  # 10% explore
     for _ in range(30):                   # the explored requests find the draft works again
         finish(4, 10)
-    d = policy.admit(load, ["draft"], 10, 200, False, Overrides())
+    d = policy.admit(load, ["draft"], 10, 200, False, Speculation())
     assert d.mode == "speculative" and d.why == "goodput", d.reason
 
 
@@ -220,17 +232,19 @@ def test_overlap_round_cost_is_the_max_of_draft_and_verify():
     from specdec.policy.cost_model import expected_tokens_per_round
 
     cfg = CFG.model_copy(update={"draft_cost_ratio": 0.15})
-    seq = decide(cfg, ["draft"], {"draft": 0.8}, 200, Load(running=1), flat_cost())
-    ovl = decide(cfg, ["draft"], {"draft": 0.8}, 200, Load(running=1), flat_cost(),
-                 overlapped=True)
+    seq = decide(cfg, ["draft"], Acceptance(alpha={"draft": 0.8}), 200, Load(running=1),
+                 RoundCosts(step=flat_cost()))
+    ovl = decide(cfg, ["draft"], Acceptance(alpha={"draft": 0.8}), 200, Load(running=1),
+                 RoundCosts(step=flat_cost(), overlapped=True))
     c = cfg.draft_cost_ratio
     assert ovl.k > seq.k and ovl.expected_speedup > seq.expected_speedup
     want = expected_tokens_per_round(0.8, ovl.k) / max(ovl.k * c, 1.0)
     assert abs(ovl.expected_speedup - want) < 1e-9
     # n-gram rounds do not overlap: their cost stays the sum.
-    ng = decide(CFG, ["ngram"], {"ngram": 0.6}, 200, Load(running=1), flat_cost(),
-                overlapped=True)
-    ng_seq = decide(CFG, ["ngram"], {"ngram": 0.6}, 200, Load(running=1), flat_cost())
+    ng = decide(CFG, ["ngram"], Acceptance(alpha={"ngram": 0.6}), 200, Load(running=1),
+                RoundCosts(step=flat_cost(), overlapped=True))
+    ng_seq = decide(CFG, ["ngram"], Acceptance(alpha={"ngram": 0.6}), 200, Load(running=1),
+                    RoundCosts(step=flat_cost()))
     assert (ng.k, ng.expected_speedup) == (ng_seq.k, ng_seq.expected_speedup)
 
 
@@ -295,8 +309,10 @@ def test_on_a_roofline_speculation_pays_alone_and_not_in_a_batch():
     for k, rows, s in ((2, 1, 0.10), (6, 1, 0.30), (2, 8, 0.25), (6, 8, 0.70)) * 2:
         draft.calibrate(k, rows, s)
     step = roofline_cost()
-    alone = decide(CFG, ["draft"], {"draft": 0.8}, 200, Load(1), step, draft_cost=draft)
-    batch = decide(CFG, ["draft"], {"draft": 0.8}, 200, Load(4), step, draft_cost=draft)
+    alone = decide(CFG, ["draft"], Acceptance(alpha={"draft": 0.8}), 200, Load(1),
+                   RoundCosts(step=step, draft=draft))
+    batch = decide(CFG, ["draft"], Acceptance(alpha={"draft": 0.8}), 200, Load(4),
+                   RoundCosts(step=step, draft=draft))
     assert alone.mode == "speculative" and alone.expected_speedup > 1.2
     assert batch.mode == "plain" and batch.why == "no_gain"
 
@@ -316,8 +332,9 @@ def test_no_exploring_where_the_load_alone_rules_speculation_out():
     """Exploration tests whether acceptance recovered; where a verify costs more than even a
     draft that is always right returns (a big batch on a compute-bound target), it only
     costs, so the policy does not explore there, and does again once the load is light."""
-    from specdec.policy.engine_policy import EnginePolicy, Overrides
+    from specdec.policy.engine_policy import EnginePolicy
     from specdec.policy.settings import PolicySettings
+    from specdec.spec_decode.speculation import Speculation
 
     policy = EnginePolicy(PolicySettings(explore_share=0.25))
     for t, s in ROOFLINE:
@@ -329,7 +346,7 @@ def test_no_exploring_where_the_load_alone_rules_speculation_out():
     light = {"running": 0, "waiting": 0, "free_slots": 8}
 
     def modes(load):
-        return [policy.admit(load, ["draft"], 10, 200, False, Overrides()).mode
+        return [policy.admit(load, ["draft"], 10, 200, False, Speculation()).mode
                 for _ in range(40)]
 
     assert modes(busy).count("speculative") == 0
@@ -341,15 +358,18 @@ def test_pinned_plain_rows_dilute_a_speculative_batch():
     verify: the batch's gain is the following rows' tokens over all rows' plain tokens,
     and the verify holds only the following rows' guesses."""
     cost = compute_bound_cost()
-    free = decide(CFG, ["draft"], {"draft": 0.8}, 200, Load(4), cost, forced_k=2)
-    pinned = decide(CFG, ["draft"], {"draft": 0.8}, 200, Load(4, pinned=3), cost, forced_k=2)
+    free = decide(CFG, ["draft"], Acceptance(alpha={"draft": 0.8}), 200, Load(4),
+                  RoundCosts(step=cost), Speculation(k=2))
+    pinned = decide(CFG, ["draft"], Acceptance(alpha={"draft": 0.8}), 200, Load(4, pinned=3),
+                    RoundCosts(step=cost), Speculation(k=2))
     per_row = expected_tokens_per_round(0.8, 2)
     c = CFG.draft_cost_ratio
     v_free, v_pinned = (4 + 4 * 2) / 4, (4 + 1 * 2) / 4  # 0.01 s per token
     assert abs(free.expected_speedup - per_row / (2 * c + v_free)) < 1e-6
     assert abs(pinned.expected_speedup - (3 + per_row) / 4 / (2 * c + v_pinned)) < 1e-6
     # The one deciding row always follows the decision: pinned never covers every row.
-    alone = decide(CFG, ["draft"], {"draft": 0.8}, 200, Load(1, pinned=5), cost, forced_k=2)
+    alone = decide(CFG, ["draft"], Acceptance(alpha={"draft": 0.8}), 200, Load(1, pinned=5),
+                   RoundCosts(step=cost), Speculation(k=2))
     assert abs(alone.expected_speedup - per_row / (2 * c + 3.0)) < 1e-6
 
 
@@ -357,11 +377,16 @@ def test_a_plain_decision_for_lack_of_gain_names_its_standby_method():
     step, draft = roofline_cost(), DraftCostModel()
     for k, rows, s in ((2, 1, 0.10), (6, 1, 0.30), (2, 8, 0.25), (6, 8, 0.70)) * 2:
         draft.calibrate(k, rows, s)
-    busy = decide(CFG, ["draft", "ngram"], {"draft": 0.8, "ngram": 0.1}, 200, Load(4), step,
-                  draft_cost=draft)
+    busy = decide(CFG, ["draft", "ngram"], Acceptance(alpha={"draft": 0.8, "ngram": 0.1}), 200,
+                  Load(4), RoundCosts(step=step, draft=draft))
     assert busy.mode == "plain" and busy.why == "no_gain" and busy.standby == "draft"
-    short = decide(CFG, ["draft"], {"draft": 0.8}, 5, Load(1), step, draft_cost=draft)
+    short = decide(CFG, ["draft"], Acceptance(alpha={"draft": 0.8}), 5, Load(1),
+                   RoundCosts(step=step, draft=draft))
     assert short.mode == "plain" and short.standby is None  # pinned: never speculates
     # On standby the request follows the batch: plain while busy, speculative once light.
-    assert revisit(CFG, "draft", 0, 0, 0, 0.8, Load(4), step, draft) == 0
-    assert revisit(CFG, "draft", 0, 0, 0, 0.8, Load(1), step, draft) > 0
+    assert revisit(CFG, "draft", OwnRecord(rounds=0, trials=0, kept=0),
+                   Acceptance(alpha={"draft": 0.8}), Load(4),
+                   RoundCosts(step=step, draft=draft)) == 0
+    assert revisit(CFG, "draft", OwnRecord(rounds=0, trials=0, kept=0),
+                   Acceptance(alpha={"draft": 0.8}), Load(1),
+                   RoundCosts(step=step, draft=draft)) > 0

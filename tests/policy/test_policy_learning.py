@@ -17,9 +17,10 @@ from specdec.engine.calibrate import noise
 from specdec.engine.engine import StepRecord
 from specdec.engine.request import Request
 from specdec.model.step.generate import plain_generate
-from specdec.policy.engine_policy import EnginePolicy, Overrides
+from specdec.policy.engine_policy import EnginePolicy
 from specdec.policy.settings import PolicySettings
 from specdec.spec_decode.counters import SpecCounters
+from specdec.spec_decode.speculation import Speculation
 
 K_MAX = 6
 
@@ -109,7 +110,7 @@ def settled(ks: list, speculating: bool) -> int:
 
 def admitted(policy: EnginePolicy) -> str:
     light = {"running": 0, "waiting": 0, "free_slots": 8}
-    return policy.admit(light, ["draft"], 20, 200, False, Overrides()).mode
+    return policy.admit(light, ["draft"], 20, 200, False, Speculation()).mode
 
 
 def new_policy(machine: Machine, **settings) -> EnginePolicy:
@@ -269,9 +270,9 @@ def test_on_speculates_every_round_whatever_the_costs_say(tiny_llama, tiny_llama
     assert auto.mode == "plain"
     while engine.has_work():
         engine.step()
-    req, decision = built.submit("on", prompt, greedy(n), Overrides(mode="on"))
+    req, decision = built.submit("on", prompt, greedy(n), Speculation(mode="on"))
     assert decision.mode == "speculative" and decision.k >= 1 and decision.why == "request"
-    assert req.speculate and "request asked for speculation" in decision.reason
+    assert req.speculation.on and "request asked for speculation" in decision.reason
     steps_before = len(engine.history)
     final = {}
     while engine.has_work():
@@ -286,7 +287,7 @@ def test_on_speculates_every_round_whatever_the_costs_say(tiny_llama, tiny_llama
 def test_on_without_any_proposer_runs_plain_and_says_why():
     policy = EnginePolicy()
     d = policy.admit({"running": 0, "waiting": 0, "free_slots": 8}, [], 10, 100, False,
-                     Overrides(mode="on"))
+                     Speculation(mode="on"))
     assert d.mode == "plain" and d.why == "no_proposer"
     assert "no proposer is available" in d.reason
 
@@ -305,9 +306,9 @@ def test_a_reply_cut_at_max_tokens_does_not_make_later_ones_short():
                              finish_reason=reason, prompt_tokens=20, spec=SpecCounters())
 
     policy.observe_finished(finished(4, "length"))
-    assert policy.admit(light, ["draft"], 20, 96, False, Overrides()).why != "short_output"
+    assert policy.admit(light, ["draft"], 20, 96, False, Speculation()).why != "short_output"
     policy.observe_finished(finished(5, "stop"))
-    assert policy.admit(light, ["draft"], 20, 96, False, Overrides()).why == "short_output"
+    assert policy.admit(light, ["draft"], 20, 96, False, Speculation()).why == "short_output"
 
 
 def test_a_round_that_first_prefilled_the_draft_is_not_priced_as_a_round():
@@ -383,7 +384,7 @@ def test_standby_is_the_draft_so_its_cost_gets_probed():
     calibrate(policy, lambda t: quiet_step(t) * (1.0 if t <= 1 else 3.0),
               lambda k, r: 3 * quiet_draft(k, r))
     light = {"running": 0, "waiting": 0, "free_slots": 8}
-    d = policy.admit(light, ["draft", "ngram"], 20, 200, False, Overrides())
+    d = policy.admit(light, ["draft", "ngram"], 20, 200, False, Speculation())
     assert d.mode == "plain" and d.standby == "draft"
 
 
@@ -443,10 +444,10 @@ def test_a_long_prompt_with_a_short_reply_runs_plain_without_the_drafts_catch_up
     machine = Machine()
     policy = catchup_calibrated(machine)
     light = {"running": 0, "waiting": 0, "free_slots": 8}
-    short = policy.admit(light, ["draft"], 1200, 48, False, Overrides(), catchup=1200)
+    short = policy.admit(light, ["draft"], 1200, 48, False, Speculation(), catchup=1200)
     assert short.mode == "plain" and short.why == "catchup", short.reason
     # Nothing of the prompt to catch up on (the draft's cache holds it): speculates.
-    warm = policy.admit(light, ["draft"], 1200, 48, False, Overrides(), catchup=2)
+    warm = policy.admit(light, ["draft"], 1200, 48, False, Speculation(), catchup=2)
     assert warm.mode == "speculative"
     # Running, with a probe due: the row with its 1,200 unseen tokens stays plain.
     engine = OneRowEngine()
@@ -465,7 +466,7 @@ def test_a_long_reply_after_a_long_prompt_still_speculates():
     machine = Machine()
     policy = catchup_calibrated(machine)
     light = {"running": 0, "waiting": 0, "free_slots": 8}
-    d = policy.admit(light, ["draft"], 1200, 2000, False, Overrides(), catchup=1200)
+    d = policy.admit(light, ["draft"], 1200, 2000, False, Speculation(), catchup=1200)
     assert d.mode == "speculative", d.reason
     engine = OneRowEngine()
     engine.req = Request("r", [1] * 1200, greedy(2000), "draft", 0)
@@ -475,7 +476,7 @@ def test_a_long_reply_after_a_long_prompt_still_speculates():
         engine.steps += 1
     assert max(ks) > 0, ks
     # "on" pays any catch-up: the request asked for speculation.
-    asked = policy.admit(light, ["draft"], 1200, 8, False, Overrides(mode="on"), catchup=1200)
+    asked = policy.admit(light, ["draft"], 1200, 8, False, Speculation(mode="on"), catchup=1200)
     assert asked.mode == "speculative"
 
 
