@@ -39,7 +39,7 @@ from specdec.model.step.sampling import (
     SEED_MAX,
     SEED_MIN,
 )
-from specdec.spec_decode.speculation import ProposerMethod, SpecMode
+from specdec.vocabulary import ProposerMethod, SpecMode
 
 MAX_TOKENS_CAP = 1 << 20
 _SURROGATE = re.compile("[\ud800-\udfff]")

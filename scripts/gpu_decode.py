@@ -17,7 +17,7 @@ import statistics
 import time
 
 from specdec.engine.assemble import LocalBackend, assemble
-from specdec.engine.spec import DraftGroupConfig, EngineSpec, ModelGroupConfig, RuntimeConfig
+from specdec.engine.spec import DraftGroupSpec, EngineSpec, ModelGroupSpec, RuntimeSpec
 from specdec.model.step.sampling import SamplingParams
 from specdec.pack.tokenizer import prompt_ids
 from specdec.spec_decode.speculation import Speculation
@@ -69,10 +69,10 @@ def main() -> int:
           f"{'draft ms':>8} {'verify ms':>9} {'same as plain':>13}  decision")
     for step in args.steps:
         spec = EngineSpec(
-            target=ModelGroupConfig(model=args.target, dtype=args.dtype, step=step),
-            draft=DraftGroupConfig(model=args.draft, dtype=args.dtype, sampling="greedy",
+            target=ModelGroupSpec(model=args.target, dtype=args.dtype, step=step),
+            draft=DraftGroupSpec(model=args.draft, dtype=args.dtype, sampling="greedy",
                                    vocab_limit=32768, resources={"num_cpus": 0}, step=step),
-            runtime=RuntimeConfig(max_slots=4, max_len=1024), warmup=True)
+            runtime=RuntimeSpec(max_slots=4, max_len=1024), warmup=True)
         t = time.perf_counter()
         built = assemble(spec, LocalBackend(args.device))
         print(f"# step {step}: assembled, warmed up and calibrated in "

@@ -17,7 +17,7 @@ import torch
 
 from specdec.engine.assemble import LocalBackend, assemble
 from specdec.engine.request import Request
-from specdec.engine.spec import DraftGroupConfig, EngineSpec, ModelGroupConfig, RuntimeConfig
+from specdec.engine.spec import DraftGroupSpec, EngineSpec, ModelGroupSpec, RuntimeSpec
 from specdec.model.step.generate import dtype_from_name
 from specdec.model.step.sampling import SamplingParams
 from specdec.pack import hub
@@ -71,11 +71,11 @@ def _hf_rows(args, sets, progress) -> list[dict]:
 
 def _our_rows(args, sets, progress) -> list[dict]:
     spec = EngineSpec(
-        target=ModelGroupConfig(model=args.target, dtype=args.dtype, step=args.step),
-        draft=DraftGroupConfig(model=args.draft, dtype=args.dtype, sampling="greedy",
+        target=ModelGroupSpec(model=args.target, dtype=args.dtype, step=args.step),
+        draft=DraftGroupSpec(model=args.draft, dtype=args.dtype, sampling="greedy",
                                vocab_limit=args.draft_vocab_limit, resources={"num_cpus": 0},
                                step=args.step),
-        runtime=RuntimeConfig(max_slots=max(args.batch, 1), max_len=2048), warmup=False)
+        runtime=RuntimeSpec(max_slots=max(args.batch, 1), max_len=2048), warmup=False)
     engine = assemble(spec, LocalBackend(args.device)).engine
     configs = [("plain", "none", 0, None)] + [("draft", "draft", k, None) for k in args.k] + \
         [("draft_conf", "draft", args.confidence_k, t) for t in args.draft_confidence] + \

@@ -19,6 +19,7 @@ import os
 import statistics
 import sys
 import time
+from typing import get_args
 
 import torch
 
@@ -29,10 +30,11 @@ from specdec.pack import hub
 from specdec.progress import Progress
 from specdec.spec_decode.proposal import ProposeInput
 from specdec.spec_decode.proposers import DraftModelProposer
+from specdec.vocabulary import StepMode
 from specdec_bench.static_step import _step_of, _sync
 from specdec_bench.table import print_table
 
-MODES = ("eager", "static", "compiled", "captured")
+MODES = get_args(StepMode)
 SAMPLING = {"greedy": SamplingParams(temperature=0.0),
             "sampled": SamplingParams(temperature=0.8, seed=7)}
 

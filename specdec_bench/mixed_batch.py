@@ -18,7 +18,7 @@ import time
 
 from specdec.engine.assemble import LocalBackend, assemble
 from specdec.engine.request import Request
-from specdec.engine.spec import DraftGroupConfig, EngineSpec, ModelGroupConfig, RuntimeConfig
+from specdec.engine.spec import DraftGroupSpec, EngineSpec, ModelGroupSpec, RuntimeSpec
 from specdec.model.step.sampling import SamplingParams
 from specdec.pack import hub
 from specdec.pack.tokenizer import load_tokenizer, prompt_ids
@@ -33,11 +33,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     spec = EngineSpec(
-        target=ModelGroupConfig(model="qwen2.5-coder-1.5b", threads=2,
+        target=ModelGroupSpec(model="qwen2.5-coder-1.5b", threads=2,
                                 resources={"num_cpus": 2}),
-        draft=DraftGroupConfig(model="qwen2.5-coder-0.5b", threads=2, sampling="greedy",
+        draft=DraftGroupSpec(model="qwen2.5-coder-0.5b", threads=2, sampling="greedy",
                                vocab_limit=32768, resources={"num_cpus": 0}),
-        runtime=RuntimeConfig(max_slots=args.rows, max_len=1024), warmup=False)
+        runtime=RuntimeSpec(max_slots=args.rows, max_len=1024), warmup=False)
     engine = assemble(spec, LocalBackend("cpu")).engine
     tok = load_tokenizer(hub.resolve("qwen2.5-coder-1.5b"))
     chat, prompts = PROMPT_SETS["code"]

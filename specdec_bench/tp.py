@@ -17,7 +17,7 @@ import torch
 from deployments.actors.procinfo import rss_anon_mb
 from deployments.actors.target import RayTargetRunner
 from deployments.launch import local_ray
-from specdec.engine.spec import ModelGroupConfig, RuntimeConfig
+from specdec.engine.spec import ModelGroupSpec, RuntimeSpec
 from specdec.model.step.decoder import Decoder
 from specdec.model.step.sampling import SamplingParams
 from specdec.pack.hub import resolve
@@ -60,8 +60,8 @@ def main(args) -> int:
     with local_ray(num_cpus=max(args.tp) + 1):
         for tp in args.tp:
             threads = max(1, args.threads // tp)
-            runtime = RuntimeConfig(max_slots=1, max_len=512, gloo_socket_ifname="lo")
-            cfg = ModelGroupConfig(model=args.model, tp=tp, dtype=args.dtype, threads=threads,
+            runtime = RuntimeSpec(max_slots=1, max_len=512, gloo_socket_ifname="lo")
+            cfg = ModelGroupSpec(model=args.model, tp=tp, dtype=args.dtype, threads=threads,
                                    resources={"num_cpus": threads})
             runner = RayTargetRunner(cfg, runtime)
             t = statistics.median(_step_times(runner, args.steps, progress))

@@ -3,9 +3,10 @@ so the CLI starts without torch or Ray."""
 
 from __future__ import annotations
 
-# specdec.model.formats.weight_format.FORMATS, spelled out: the CLI starts without importing torch.
-DTYPES = ["auto", "float32", "bfloat16", "float16", "int8", "w8a8", "int8-dynamic", "q4k", "int4"]
+from typing import get_args
 
+from specdec.vocabulary import FORMATS as DTYPES
+from specdec.vocabulary import StepMode
 
 
 def _run(benchmark: str):
@@ -47,7 +48,7 @@ def _args_decode(bench) -> None:
     b_dec.add_argument("--batch", type=int, default=1)
     b_dec.add_argument("--device", default="cpu", help="cpu or cuda")
     b_dec.add_argument("--step", default="eager",
-                       choices=["eager", "static", "compiled", "captured"],
+                       choices=get_args(StepMode),
                        help="how both models run each forward (captured: CUDA graphs)")
     b_dec.add_argument("--draft-vocab-limit", type=int, default=None,
                        help="the draft guesses only among the first N token ids")

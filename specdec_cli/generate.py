@@ -14,7 +14,7 @@ import time
 
 from specdec.engine.assemble import LocalBackend, assemble
 from specdec.engine.request import Request
-from specdec.engine.spec import DraftGroupConfig, EngineSpec, ModelGroupConfig, RuntimeConfig
+from specdec.engine.spec import DraftGroupSpec, EngineSpec, ModelGroupSpec, RuntimeSpec
 from specdec.model.step.sampling import SamplingParams
 from specdec.pack.tokenizer import prompt_ids
 
@@ -40,17 +40,17 @@ def spec_from_args(args) -> EngineSpec:
             # Sequential: the draft borrows the target's cores while the target waits.
             per_rank = args.draft_threads or max(1, cores // args.draft_tp)
             resources = {"num_cpus": 0} if args.draft_tp == 1 else {"num_cpus": per_rank}
-        draft = DraftGroupConfig(model=args.draft, tp=args.draft_tp, dtype=args.dtype,
+        draft = DraftGroupSpec(model=args.draft, tp=args.draft_tp, dtype=args.dtype,
                                  sampling=args.draft_sampling,
                                  vocab_limit=args.draft_vocab_limit,
                                  threads=per_rank, resources=resources)
-    target = ModelGroupConfig(model=args.target, tp=tp, dtype=args.dtype,
+    target = ModelGroupSpec(model=args.target, tp=tp, dtype=args.dtype,
                               threads=getattr(args, "target_threads", None)
                               or max(1, target_cores // tp),
                               resources={"num_cpus": max(target_cores / tp,
                                                          1 if overlap == "off" else 0.5)})
     return EngineSpec(target=target, draft=draft, warmup=False, overlap=overlap,
-                      runtime=RuntimeConfig(max_slots=1, max_len=args.max_len,
+                      runtime=RuntimeSpec(max_slots=1, max_len=args.max_len,
                                             gloo_socket_ifname="lo"))
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import get_args
 
+from specdec.vocabulary import DraftSampling, OverlapMode
 from specdec_cli.bench import DTYPES, add_bench
 
 
@@ -108,7 +110,7 @@ def _add_generate(sub) -> None:
     g.add_argument("--app", default=None, help="application name in --config")
     g.add_argument("--ray", action="store_true",
                    help="run the target and draft as Ray actor groups (a private local Ray)")
-    g.add_argument("--draft-sampling", choices=["probabilistic", "greedy"],
+    g.add_argument("--draft-sampling", choices=get_args(DraftSampling),
                    default="probabilistic")
     g.add_argument("--draft-vocab-limit", type=int, default=None,
                    help="the draft guesses only among the first N token ids")
@@ -120,7 +122,7 @@ def _add_generate(sub) -> None:
                    help="run the target as a tensor-parallel group of N Ray actors (0: in "
                         "this process)")
     g.add_argument("--draft-tp", type=int, default=1, help="tensor parallel size of the draft")
-    g.add_argument("--overlap", choices=["off", "on", "auto"], default="off",
+    g.add_argument("--overlap", choices=get_args(OverlapMode), default="off",
                    help="draft while the target verifies (the draft gets cores of its own)")
     g.add_argument("--target-threads", type=int, default=None,
                    help="threads per target rank (default: its share of the cores)")

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from scipy.stats import chi2_contingency
 
-from specdec.engine.engine import Engine, EngineConfig
+from specdec.engine.engine import Engine, EngineLimits
 from specdec.engine.request import Request
 from specdec.model.step.decoder import Decoder
 from specdec.model.step.generate import plain_generate
@@ -32,7 +32,7 @@ def load(path) -> Decoder:
 
 def make_engine(target_path, draft_path=None, slots=8, max_len=192,
                 draft_sampling="probabilistic", eos_ids=(), tokenizer=None,
-                config: EngineConfig | None = None, draft_vocab_limit=None,
+                limits: EngineLimits | None = None, draft_vocab_limit=None,
                 draft_confidence=None, q_top_m=None, proposer_cls=DraftModelProposer,
                 overlap="off", step="eager", suffix=None) -> Engine:
     """step: how both models run each forward (specdec/model/step/static_step.py); suffix: a
@@ -46,7 +46,7 @@ def make_engine(target_path, draft_path=None, slots=8, max_len=192,
                                           q_top_m)
     return Engine(LocalTargetRunner(with_step(load(target_path), step), slots, max_len),
                   proposers,
-                  tokenizer, eos_ids, config, overlap=overlap)
+                  tokenizer, eos_ids, limits, overlap=overlap)
 
 
 def random_prompts(lengths, seed=0, vocab=96) -> list[list[int]]:
@@ -62,7 +62,7 @@ def requests(prompts, params, method="none", k=0, prefix="r") -> list[Request]:
     return [Request(f"{prefix}{i}", p, params, method, k) for i, p in enumerate(prompts)]
 
 
-BIG_QUEUE = EngineConfig(max_waiting=10**5)
+BIG_QUEUE = EngineLimits(max_waiting=10**5)
 
 
 def plain_reference(target, prompts, max_tokens=24):

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from deployments.actors.shard_group import GroupFailed, ShardError, ShardGroup
-from specdec.engine.spec import DraftGroupConfig, RuntimeConfig
+from specdec.engine.spec import DraftGroupSpec, RuntimeSpec
 from specdec.model.step.prefix_cache import common_prefix
 from specdec.spec_decode.calls import CallStats
 from specdec.spec_decode.proposal import Proposal, ProposeInput
@@ -34,7 +34,7 @@ class DraftUnavailable(RuntimeError):
 class RayDraftProposer:
     name = "draft"
 
-    def __init__(self, cfg: DraftGroupConfig, runtime: RuntimeConfig,
+    def __init__(self, cfg: DraftGroupSpec, runtime: RuntimeSpec,
                  placement_group=None, bundle_indices: list[int] | None = None) -> None:
         self.group = ShardGroup("draft", cfg, runtime, placement_group, bundle_indices,
                                 extra={"sampling": cfg.sampling, "vocab_limit": cfg.vocab_limit,

@@ -11,7 +11,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.actors.shard import ModelShard
-from specdec.engine.spec import ModelGroupConfig, RuntimeConfig
+from specdec.engine.spec import ModelGroupSpec, RuntimeSpec
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class ShardError(RuntimeError):
 
 
 class ShardGroup:
-    def __init__(self, role: str, cfg: ModelGroupConfig, runtime: RuntimeConfig,
+    def __init__(self, role: str, cfg: ModelGroupSpec, runtime: RuntimeSpec,
                  placement_group: PlacementGroup | None = None,
                  bundle_indices: list[int] | None = None, extra: dict | None = None) -> None:
         self.role, self.cfg, self.runtime = role, cfg, runtime

@@ -16,7 +16,7 @@ import threading
 import time
 
 from deployments.actors.shard_group import GroupFailed, ShardError, ShardGroup
-from specdec.engine.spec import ModelGroupConfig, RuntimeConfig
+from specdec.engine.spec import ModelGroupSpec, RuntimeSpec
 from specdec.errors import TargetLost
 from specdec.model.step.sampling import SamplingParams
 from specdec.spec_decode.calls import CallStats
@@ -31,7 +31,7 @@ class TargetUnavailable(TargetLost):
 
 
 class RayTargetRunner:
-    def __init__(self, cfg: ModelGroupConfig, runtime: RuntimeConfig,
+    def __init__(self, cfg: ModelGroupSpec, runtime: RuntimeSpec,
                  placement_group=None, bundle_indices: list[int] | None = None) -> None:
         self.group = ShardGroup("target", cfg, runtime, placement_group, bundle_indices)
         self.max_slots, self.max_len = runtime.kv_slots(), runtime.max_len

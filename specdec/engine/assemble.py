@@ -20,9 +20,9 @@ from typing import Protocol
 import torch
 
 from specdec.engine.calibrate import calibrate
-from specdec.engine.engine import Engine, EngineConfig
+from specdec.engine.engine import Engine
 from specdec.engine.request import Request
-from specdec.engine.spec import EngineSpec, ModelGroupConfig
+from specdec.engine.spec import EngineSpec, ModelGroupSpec
 from specdec.errors import CapacityError, ConfigError, TargetDown
 from specdec.model.checkpoint.config import DecoderConfig
 from specdec.model.checkpoint.sharding import ShardSpec
@@ -63,10 +63,12 @@ def eos_ids_of(path: str | Path, tokenizer) -> set[int]:
     return ids
 
 
-def check_threads(field: str, group: ModelGroupConfig, cores: int | None = None) -> int:
+def check_threads(field: str, group: ModelGroupSpec, cores: int | None = None) -> int:
     """Threads per rank, refused when they exceed the cores of the machine they run on."""
     cores = cores or os.cpu_count() or 1
-    threads = group.threads or min(cores, max(1, int(group.resources.num_cpus)))
+    threads = group.threads_per_rank()
+    if not group.threads:  # the default (the cores Ray reserves) never exceeds the machine's
+        threads = min(threads, cores)
     if threads > cores:
         raise ConfigError(f"{field}.threads: {threads} threads per rank, but this machine "
                           f"has {cores} cores: more threads than cores only slows each one")
@@ -235,11 +237,7 @@ def assemble(spec: EngineSpec, backend: Backend,
             phase("loading the draft model")
             proposers["draft"] = backend.draft(spec, draft_path)
         policy = EnginePolicy(spec.policy)
-        engine = Engine(target, proposers, tok, eos_ids_of(target_path, tok),
-                        EngineConfig(max_tokens_per_step=spec.max_tokens_per_step,
-                                     max_waiting=spec.max_waiting,
-                                     max_running=spec.runtime.max_slots,
-                                     prefix_cache=spec.runtime.prefix_cache),
+        engine = Engine(target, proposers, tok, eos_ids_of(target_path, tok), spec.limits(),
                         choose_k=policy.choose_k, overlap=spec.overlap)
         threads = getattr(backend, "mode_threads", None)
         if spec.overlap == "auto" and threads:

@@ -20,7 +20,7 @@ from specdec.engine.record import record_step
 from specdec.engine.request import Request, RequestOutput
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.state import (
-    EngineConfig,
+    EngineLimits,
     KChooser,
     Seq,
     StepRecord,
@@ -48,13 +48,13 @@ class Engine:
 
     def __init__(self, target: TargetRunner, proposers: dict[str, Proposer] | None = None,
                  tokenizer=None, eos_ids: Iterable[int] = (),
-                 config: EngineConfig | None = None, choose_k: KChooser | None = None,
+                 limits: EngineLimits | None = None, choose_k: KChooser | None = None,
                  overlap: str = "off") -> None:
         self.target = target
         self.proposers = dict(proposers or {})
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(eos_ids)
-        self.config = config or EngineConfig()
+        self.limits = limits or EngineLimits()
         # The policy hook: revisit k between rounds (default: the request's own k).
         self.choose_k = choose_k
         self._policy_view: EngineView | None = None
@@ -65,8 +65,8 @@ class Engine:
         self.vocab_size = min([target.vocab_size] + [
             v for v in (getattr(p, "vocab_size", None) for p in self.proposers.values())
             if v is not None])
-        self.scheduler = Scheduler(target.max_slots, self.config.max_waiting,
-                                   self.config.max_running, self.config.prefix_cache)
+        self.scheduler = Scheduler(target.max_slots, self.limits.max_waiting,
+                                   self.limits.max_running, self.limits.prefix_cache)
         self.prefixes = self.scheduler.prefixes
         self._running = self.scheduler.running  # the running sequences, by request id
         self.totals: dict[str, SpecCounters] = collections.defaultdict(SpecCounters)
@@ -210,7 +210,7 @@ class Engine:
             seq.k_free = self._k_free(seq, len(seq.tokens) - seq.cached) \
                 if not seq.k_now or self._suffix_may_lead(seq, overlapped, probing) else 0
         plan = plan_step(decode, prefill, overlapped, self.proposers, self.target.max_len,
-                         self.config, self.totals)
+                         self.limits, self.totals)
         attach_histories(plan.rows, self._running, self.eos_ids)
         return plan
 

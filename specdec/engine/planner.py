@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import time
 
-from specdec.engine.state import EngineConfig, Seq
+from specdec.engine.state import EngineLimits, Seq
 from specdec.model.step.logits_process import history_of, needs_history
 from specdec.spec_decode.counters import SpecCounters
 from specdec.spec_decode.proposal import Proposal, ProposeInput, Proposer
@@ -63,7 +63,7 @@ class _Asks:
 
 
 def plan_step(decode: list[Seq], prefill: list[Seq], overlapped: bool,
-              proposers: dict[str, Proposer], max_len: int, config: EngineConfig,
+              proposers: dict[str, Proposer], max_len: int, limits: EngineLimits,
               totals: dict[str, SpecCounters]) -> Plan:
     """The step's rows, with the guesses the proposers made for them (and what that took).
     Each decode row's k_now is already chosen."""
@@ -80,7 +80,7 @@ def plan_step(decode: list[Seq], prefill: list[Seq], overlapped: bool,
     free = _free_guesses(asks.free, proposers.get("suffix"), proposals) | set(led)
     work.draft_s = time.perf_counter() - t0
     rows, num_draft = _decode_rows(decode, asks.ahead, proposals, failed, totals)
-    rows += _prefill_rows(prefill, config, sum(len(r.tokens) for r in rows))
+    rows += _prefill_rows(prefill, limits, sum(len(r.tokens) for r in rows))
     draft = proposers.get("draft")
     if overlapped:  # hidden: the draft prefills on its own compute beside the target
         asks.windows += _prefill_catchups(prefill, rows, True)
@@ -265,10 +265,10 @@ def _decode_rows(decode: list[Seq], ahead: dict[str, list[int]],
     return rows, num_draft
 
 
-def _prefill_rows(prefill: list[Seq], config: EngineConfig, used: int) -> list[TargetRow]:
+def _prefill_rows(prefill: list[Seq], limits: EngineLimits, used: int) -> list[TargetRow]:
     """Chunks of the prompts still being prefilled, in what the token budget leaves (at
     least min_prefill_chunk, so a prefill advances even under a full decode batch)."""
-    budget = max(config.max_tokens_per_step - used, config.min_prefill_chunk)
+    budget = max(limits.max_tokens_per_step - used, limits.min_prefill_chunk)
     rows = []
     for seq in prefill:
         if budget <= 0:

@@ -9,7 +9,8 @@ from typing import Literal
 from specdec.errors import ErrorKind
 from specdec.model.step.sampling import SamplingParams
 from specdec.spec_decode.counters import SpecCounters
-from specdec.spec_decode.speculation import AUTO, Method, Speculation
+from specdec.spec_decode.speculation import AUTO, Speculation
+from specdec.vocabulary import Method
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 

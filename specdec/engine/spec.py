@@ -17,16 +17,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specdec.engine.state import MAX_TOKENS_PER_STEP, MAX_WAITING
-from specdec.model.formats.weight_format import DRAFT_ONLY, FORMATS
-from specdec.model.step.step_mode import StepMode
+from specdec.engine.state import EngineLimits
+from specdec.model.formats.weight_format import DRAFT_ONLY
 from specdec.policy.settings import PolicySettings
-from specdec.spec_decode.overlap import OverlapMode
 from specdec.spec_decode.proposers import DEFAULT_Q_TOP_M
-
-WeightFormatName = Literal["auto", "float32", "bfloat16", "float16", "int8", "w8a8",
-                           "int8-dynamic", "q4k", "int4"]
-assert set(WeightFormatName.__args__) == set(FORMATS)
+from specdec.vocabulary import DraftSampling, OverlapMode, StepMode, WeightFormatName
 
 
 class ActorResources(BaseModel):
@@ -52,7 +47,7 @@ class ActorResources(BaseModel):
         return not self.bundle()
 
 
-class ModelGroupConfig(BaseModel):
+class ModelGroupSpec(BaseModel):
     """One model sharded over `tp` ranks (Ray actors, or this process when tp = 1 locally)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -89,10 +84,10 @@ class ModelGroupConfig(BaseModel):
         return self.threads or max(1, math.floor(self.resources.num_cpus))
 
 
-class DraftGroupConfig(ModelGroupConfig):
+class DraftGroupSpec(ModelGroupSpec):
     """The draft: a model group, and how it proposes."""
 
-    sampling: Literal["probabilistic", "greedy"] = Field("probabilistic", description=(
+    sampling: DraftSampling = Field("probabilistic", description=(
         "probabilistic: sampled rows draw guesses from the draft's top-m distribution under "
         "the request's temperature/top-p; greedy: always the draft's argmax (one-hot q). "
         "Either way the output follows the target's distribution."))
@@ -106,7 +101,7 @@ class DraftGroupConfig(ModelGroupConfig):
         "distribution is the q of the rejection rule: m (id, prob) pairs cross per guess."))
 
 
-class SuffixConfig(BaseModel):
+class SuffixSpec(BaseModel):
     """Suffix speculation (specdec/spec_decode/suffix.py): guesses from what this replica
     has seen, the request's own context and every recent prompt and output."""
 
@@ -141,13 +136,13 @@ class SuffixConfig(BaseModel):
         "where the index offers at least its k. 0: off."))
 
     @model_validator(mode="after")
-    def _check(self) -> SuffixConfig:
+    def _check(self) -> SuffixSpec:
         if self.min_n > self.max_n:
             raise ValueError("suffix.min_n must be <= suffix.max_n")
         return self
 
 
-class RuntimeConfig(BaseModel):
+class RuntimeSpec(BaseModel):
     """Limits and timeouts shared by the target and draft groups."""
 
     model_config = ConfigDict(extra="forbid")
@@ -190,7 +185,7 @@ class RuntimeConfig(BaseModel):
         return self.watchdog_s or self.step_timeout_s + self.init_timeout_s + 60.0
 
     @model_validator(mode="after")
-    def _check(self) -> RuntimeConfig:
+    def _check(self) -> RuntimeSpec:
         if self.step_timeout_s < self.collective_timeout_s:
             raise ValueError("step_timeout_s must be >= collective_timeout_s, so a lost rank "
                              "surfaces as a failed collective before the step times out")
@@ -201,20 +196,20 @@ class EngineSpec(BaseModel):
     """Everything one engine needs, whichever way it is assembled."""
 
     model_config = ConfigDict(extra="forbid")
-    target: ModelGroupConfig = Field(description="The model whose distribution is served.")
-    draft: DraftGroupConfig | None = Field(None, description="The draft model; none: only "
+    target: ModelGroupSpec = Field(description="The model whose distribution is served.")
+    draft: DraftGroupSpec | None = Field(None, description="The draft model; none: only "
                                            "plain decoding and n-gram lookup.")
-    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig,
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec,
                                    description="Limits and timeouts of both groups.")
     ngram_min: int = Field(2, ge=1, description="Shortest suffix the n-gram proposer matches "
                            "in the context.")
     ngram_max: int = Field(5, ge=1, description="Longest suffix the n-gram proposer matches.")
-    suffix: SuffixConfig = Field(default_factory=SuffixConfig,
+    suffix: SuffixSpec = Field(default_factory=SuffixSpec,
                                  description="Suffix speculation across requests.")
-    max_tokens_per_step: int = Field(MAX_TOKENS_PER_STEP, ge=16, description=(
+    max_tokens_per_step: int = Field(EngineLimits.max_tokens_per_step, ge=16, description=(
         "Token budget of one target forward: decode and verify tokens first, then prefill "
         "chunks of what remains (chunked prefill)."))
-    max_waiting: int = Field(MAX_WAITING, ge=1, description="Requests queued beyond max_slots; one "
+    max_waiting: int = Field(EngineLimits.max_waiting, ge=1, description="Requests queued beyond max_slots; one "
                              "more is refused with 503 and Retry-After.")
     policy: PolicySettings = Field(default_factory=PolicySettings,
                                    description="The speculation policy.")
@@ -241,6 +236,12 @@ class EngineSpec(BaseModel):
         if not chosen:
             raise ValueError(f"{path}: no application{' named ' + repr(app) if app else ''}")
         return cls.from_app_args(chosen[0].get("args") or {})
+
+    def limits(self) -> EngineLimits:
+        """What the engine's step loop is held to."""
+        return EngineLimits(max_tokens_per_step=self.max_tokens_per_step,
+                            max_waiting=self.max_waiting, max_running=self.runtime.max_slots,
+                            prefix_cache=self.runtime.prefix_cache)
 
     @model_validator(mode="after")
     def _check(self) -> EngineSpec:

@@ -17,16 +17,15 @@ from specdec.spec_decode.overlap import Settled
 from specdec.spec_decode.proposal import Proposal
 from specdec.spec_decode.target_runner import TargetResult
 
-# Defaults of the engine's limits, shared with EngineSpec (the validated config).
-MAX_TOKENS_PER_STEP = 512
-MAX_WAITING = 64
-
 
 @dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    max_tokens_per_step: int = MAX_TOKENS_PER_STEP  # prefill chunks fill what decode rows leave
+class EngineLimits:
+    """What the step loop is held to. Served engines take it from EngineSpec.limits() (the
+    validated config, whose defaults are these)."""
+
+    max_tokens_per_step: int = 512   # prefill chunks fill what decode rows leave
     min_prefill_chunk: int = 32      # so a prefill advances even under a full decode batch
-    max_waiting: int = MAX_WAITING   # queued requests beyond this are refused (overload)
+    max_waiting: int = 64            # queued requests beyond this are refused (overload)
     # Sequences at once (None: one per KV slot; fewer leaves slots that only keep prefixes).
     max_running: int | None = None
     prefix_cache: bool = True        # start a request from the longest cached prefix

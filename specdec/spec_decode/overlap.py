@@ -39,15 +39,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Literal, get_args
+from typing import get_args
 
 from specdec.spec_decode.proposal import Proposal, ProposeInput
 from specdec.spec_decode.target_runner import Head
+from specdec.vocabulary import OverlapMode
 
 log = logging.getLogger(__name__)
 
-# off: sequential rounds; on: always overlapped; auto: both measured, the faster kept.
-OverlapMode = Literal["off", "on", "auto"]
 
 
 class ThreadWindow:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Literal
+from typing import get_args
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from specdec.model.step.seeded import race_keys, race_pick_among
 from specdec.model.step.static_step import graph_builds
 from specdec.spec_decode.overlap import ThreadWindow
 from specdec.spec_decode.proposal import DraftWindow, Proposal, ProposeInput
+from specdec.vocabulary import DraftSampling
 
 
 class NgramProposer:
@@ -127,12 +128,12 @@ class DraftModelProposer:
     overlaps = True
 
     def __init__(self, model: Decoder, max_slots: int, max_len: int,
-                 sampling: Literal["probabilistic", "greedy"] = "probabilistic",
+                 sampling: DraftSampling = "probabilistic",
                  vocab_limit: int | None = None,
                  confidence_threshold: float | None = None,
                  q_top_m: int | None = DEFAULT_Q_TOP_M, prefix_cache: bool = True) -> None:
-        if sampling not in ("probabilistic", "greedy"):
-            raise ValueError("draft sampling must be 'probabilistic' or 'greedy'")
+        if sampling not in get_args(DraftSampling):
+            raise ValueError(f"draft sampling must be one of {get_args(DraftSampling)}")
         if confidence_threshold is not None and not 0.0 <= confidence_threshold < 1.0:
             raise ValueError("draft confidence_threshold must be in [0, 1)")
         self.confidence_threshold = confidence_threshold or None

@@ -10,11 +10,8 @@ where the three meet."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
-SpecMode = Literal["auto", "on", "off"]
-ProposerMethod = Literal["draft", "ngram", "suffix"]  # what a caller may name
-Method = Literal[ProposerMethod, "none"]
+from specdec.vocabulary import Method, SpecMode
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

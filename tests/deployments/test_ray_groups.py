@@ -14,7 +14,7 @@ import torch
 from deployments.launch import local_ray, ray_engine
 from specdec.engine.assemble import eos_ids_of
 from specdec.engine.request import Request
-from specdec.engine.spec import DraftGroupConfig, EngineSpec, ModelGroupConfig, RuntimeConfig
+from specdec.engine.spec import DraftGroupSpec, EngineSpec, ModelGroupSpec, RuntimeSpec
 from specdec.model.step.decoder import Decoder
 from specdec.model.step.generate import plain_generate
 from specdec.model.step.sampling import SamplingParams
@@ -55,10 +55,10 @@ def test_tp2_target_and_draft_actor_equal_plain_decoding(ray_cluster, qwen_draft
     eos = eos_ids_of(qwen_draft_path, tok)
     prompts = [chat_ids(tok, p) for p in PROMPTS]
     expected = plain_reference(qwen_draft_path, prompts, 24, eos)
-    runtime = RuntimeConfig(max_slots=4, max_len=256, gloo_socket_ifname="lo")
+    runtime = RuntimeSpec(max_slots=4, max_len=256, gloo_socket_ifname="lo")
     with ray_engine(EngineSpec(
-            target=ModelGroupConfig(model=str(qwen_draft_path), tp=2, dtype="float32"),
-            draft=DraftGroupConfig(model=str(qwen_draft_path), dtype="int4"),
+            target=ModelGroupSpec(model=str(qwen_draft_path), tp=2, dtype="float32"),
+            draft=DraftGroupSpec(model=str(qwen_draft_path), dtype="int4"),
             runtime=runtime, warmup=False)) as h:
         stats = h.target.stats
         assert [s["rank"] for s in stats] == [0, 1] and stats[0]["backend"] == "gloo"
@@ -75,9 +75,9 @@ def test_smollm2_tp3_with_ngram_equals_plain(ray_cluster, smollm2_path):
     prompts = [tok("x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2").input_ids,
                tok("The cat sat on the mat. The cat sat on the").input_ids]
     expected = plain_reference(smollm2_path, prompts, 32, eos)
-    runtime = RuntimeConfig(max_slots=2, max_len=128, gloo_socket_ifname="lo")
+    runtime = RuntimeSpec(max_slots=2, max_len=128, gloo_socket_ifname="lo")
     with ray_engine(EngineSpec(
-            target=ModelGroupConfig(model=str(smollm2_path), tp=3, dtype="float32"),
+            target=ModelGroupSpec(model=str(smollm2_path), tp=3, dtype="float32"),
             runtime=runtime, warmup=False)) as h:
         # k pinned: the policy would otherwise price n-gram rounds from this machine's
         # timings and might run every round plain, which proves nothing about verification.
@@ -109,10 +109,10 @@ def wait_for_tokens(engine, n, timeout=60):
 
 
 def test_killed_shard_fails_inflight_then_group_is_rebuilt(ray_cluster, smollm2_path):
-    runtime = RuntimeConfig(max_slots=2, max_len=512, collective_timeout_s=10,
+    runtime = RuntimeSpec(max_slots=2, max_len=512, collective_timeout_s=10,
                             step_timeout_s=20, gloo_socket_ifname="lo")
     with ray_engine(EngineSpec(
-            target=ModelGroupConfig(model=str(smollm2_path), tp=3, dtype="bfloat16"),
+            target=ModelGroupSpec(model=str(smollm2_path), tp=3, dtype="bfloat16"),
             runtime=runtime, warmup=False)) as h:
         ids = h.tokenizer("Once upon a time").input_ids
         long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)

@@ -17,10 +17,10 @@ from deployments.launch import ray_engine
 from specdec.engine.request import Request
 from specdec.engine.spec import (
     ActorResources,
-    DraftGroupConfig,
+    DraftGroupSpec,
     EngineSpec,
-    ModelGroupConfig,
-    RuntimeConfig,
+    ModelGroupSpec,
+    RuntimeSpec,
 )
 from specdec.model.step.sampling import SamplingParams
 
@@ -57,13 +57,13 @@ def node_of(actor) -> str:
 
 def test_shards_on_two_nodes_draft_on_a_third_and_draft_node_loss(cluster, smollm2_path):
     c, nodes = cluster
-    runtime = RuntimeConfig(max_slots=2, max_len=512, collective_timeout_s=10,
+    runtime = RuntimeSpec(max_slots=2, max_len=512, collective_timeout_s=10,
                             step_timeout_s=20, draft_retry_s=1.0, placement_strategy="PACK",
                             gloo_socket_ifname="lo")
-    target = ModelGroupConfig(model=str(smollm2_path), tp=3, dtype="bfloat16",
+    target = ModelGroupSpec(model=str(smollm2_path), tp=3, dtype="bfloat16",
                               resources=ActorResources(num_cpus=0.5,
                                                        resources={"target_slot": 1}))
-    draft = DraftGroupConfig(model=str(smollm2_path), dtype="bfloat16",
+    draft = DraftGroupSpec(model=str(smollm2_path), dtype="bfloat16",
                              resources=ActorResources(num_cpus=0.5,
                                                       resources={"draft_slot": 1}))
     with ray_engine(EngineSpec(target=target, draft=draft, runtime=runtime,

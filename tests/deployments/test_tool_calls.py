@@ -13,7 +13,7 @@ import pytest
 
 from deployments.tool_calls import NamedToolChoice, ToolDef, ToolPlan, ToolStream
 from specdec.engine.assemble import eos_ids_of
-from specdec.engine.engine import Engine, EngineConfig
+from specdec.engine.engine import Engine, EngineLimits
 from specdec.engine.request import Request
 from specdec.model.step.decoder import Decoder
 from specdec.model.step.grammar import grammar_error
@@ -120,7 +120,7 @@ def test_a_required_call_is_enforced_and_speculation_changes_no_token(qwen_draft
         prompts = [chat_ids(tok, [{"role": "user", "content": a}], plan.template_tools())
                    for a in asks]
         engine = Engine(LocalTargetRunner(target, 4, 1024),
-                        {"draft": DraftModelProposer(draft, 4, 1024)}, tok, eos, EngineConfig())
+                        {"draft": DraftModelProposer(draft, 4, 1024)}, tok, eos, EngineLimits())
         params = SamplingParams(temperature=0.0, max_tokens=48, grammar=grammar)
         out = engine.run([Request(f"r{i}", p, params, method, 3 if method == "draft" else 0)
                           for i, p in enumerate(prompts)])

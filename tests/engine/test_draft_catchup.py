@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from engine_helpers import greedy, make_engine, plain_reference, random_prompts
 
-from specdec.engine.engine import EngineConfig
+from specdec.engine.engine import EngineLimits
 from specdec.engine.request import Request
 
 CHUNK = 48
@@ -15,7 +15,7 @@ CHUNK = 48
 
 def _engine(target, draft, **kw):
     return make_engine(target, draft, slots=3, max_len=256,
-                       config=EngineConfig(max_tokens_per_step=CHUNK), **kw)
+                       limits=EngineLimits(max_tokens_per_step=CHUNK), **kw)
 
 
 def test_a_drafting_row_is_caught_up_while_its_prompt_is_prefilled(tiny_llama, tiny_llama_draft):

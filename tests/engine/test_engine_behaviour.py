@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from engine_helpers import greedy, load, make_engine, random_prompts, requests
 
-from specdec.engine.engine import EngineConfig
+from specdec.engine.engine import EngineLimits
 from specdec.engine.request import Request
 from specdec.errors import CapacityError, EngineError
 from specdec.model.step.generate import plain_generate
@@ -54,7 +54,7 @@ def test_seeded_sampling_is_reproducible(tiny_llama, tiny_llama_draft):
 
 
 def test_capacity_refusals_name_the_limit(tiny_llama):
-    engine = make_engine(tiny_llama, max_len=32, config=EngineConfig(max_waiting=1))
+    engine = make_engine(tiny_llama, max_len=32, limits=EngineLimits(max_waiting=1))
     # Too long for the context is the request's fault (400), not a lack of capacity (503).
     with pytest.raises(EngineError, match=r"prompt \(30 tokens\) \+ max_tokens \(8\) exceeds") as e:
         engine.add_request(Request("x", list(range(3, 33)), greedy(8)))
@@ -102,7 +102,7 @@ def test_streaming_callback_sees_every_token_once(tiny_llama, tiny_llama_draft):
 
 def test_long_prefill_is_chunked_without_starving_decoders(tiny_llama):
     engine = make_engine(tiny_llama, max_len=192,
-                         config=EngineConfig(max_tokens_per_step=40, min_prefill_chunk=8))
+                         limits=EngineLimits(max_tokens_per_step=40, min_prefill_chunk=8))
     short = Request("short", [5, 6, 7], greedy(20))
     long = Request("long", list(range(3, 93)) + list(range(3, 63)), greedy(5))
     engine.add_request(short)

@@ -119,7 +119,7 @@ def test_sampled_first_three_tokens_follow_plain_distribution(tiny_llama, draft_
 
     def factory():
         return make_engine(tiny_llama, draft, slots=64, max_len=16,
-                           draft_sampling=draft_sampling, config=BIG_QUEUE,
+                           draft_sampling=draft_sampling, limits=BIG_QUEUE,
                            draft_vocab_limit=vocab_limit, draft_confidence=confidence,
                            q_top_m=q_top_m)
 
@@ -146,10 +146,10 @@ def test_contingency_check_catches_the_draft_distribution(tiny_llama, tiny_llama
     n = 3000
 
     def target_engine():
-        return make_engine(tiny_llama, slots=64, max_len=16, config=BIG_QUEUE)
+        return make_engine(tiny_llama, slots=64, max_len=16, limits=BIG_QUEUE)
 
     def draft_as_target():
-        return make_engine(tiny_llama_far_draft, slots=64, max_len=16, config=BIG_QUEUE)
+        return make_engine(tiny_llama_far_draft, slots=64, max_len=16, limits=BIG_QUEUE)
 
     a, _ = first_three_counts(target_engine, "none", 0, n, 1.0)
     b, _ = first_three_counts(draft_as_target, "none", 0, n, 1.0)
@@ -195,7 +195,7 @@ def test_truncated_q_must_be_the_distribution_sampled_from(tiny_llama, tiny_llam
 
     def factory(cls):
         return lambda: make_engine(tiny_llama, tiny_llama_far_draft, slots=64, max_len=16,
-                                   config=BIG_QUEUE, q_top_m=4, proposer_cls=cls)
+                                   limits=BIG_QUEUE, q_top_m=4, proposer_cls=cls)
 
     plain, _ = first_three_counts(factory(DraftModelProposer), "none", 0, n, 1.0)
     wrong, _ = first_three_counts(factory(_UnnormalizedTopM), "draft", 2, n, 1.0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdec.engine.assemble import eos_ids_of
-from specdec.engine.engine import Engine, EngineConfig
+from specdec.engine.engine import Engine, EngineLimits
 from specdec.engine.request import Request
 from specdec.model.step.decoder import Decoder
 from specdec.model.step.sampling import SamplingParams
@@ -38,7 +38,7 @@ def served(qwen_draft_path):
 def _run(s, requests):
     engine = Engine(LocalTargetRunner(s["target"], 4, 512),
                     {"draft": DraftModelProposer(s["draft"], 4, 512)}, s["tok"], s["eos"],
-                    EngineConfig())
+                    EngineLimits())
     return engine.run(requests), engine
 
 

@@ -10,7 +10,7 @@ import collections
 import pytest
 from engine_helpers import contingency_pvalue, greedy, make_engine, random_prompts
 
-from specdec.engine.engine import EngineConfig
+from specdec.engine.engine import EngineLimits
 from specdec.engine.request import Request
 from specdec.model.step.prefix_cache import COPY_MIN_TOKENS
 from specdec.model.step.sampling import SamplingParams
@@ -21,7 +21,7 @@ METHODS = [("none", 0), ("draft", 3), ("ngram", 2)]
 def _pair(target, draft, slots=4, max_len=192, step_budget=512, **kw):
     """The same engine with the cache and without it."""
     return [make_engine(target, draft, slots=slots, max_len=max_len,
-                        config=EngineConfig(prefix_cache=on, max_tokens_per_step=step_budget,
+                        limits=EngineLimits(prefix_cache=on, max_tokens_per_step=step_budget,
                                             max_waiting=10**5),
                         **kw) for on in (True, False)]
 

@@ -152,11 +152,11 @@ def test_sampled_speculation_keeps_the_penalized_distribution(tiny_llama, tiny_l
     the penalties change the first three tokens' distribution a lot."""
     params = SamplingParams(temperature=0.4, max_tokens=4, ignore_eos=True,
                             frequency_penalty=1.0, presence_penalty=0.8)
-    plain = _first_three(lambda: make_engine(tiny_llama, config=BIG_QUEUE), "none", 0, 3000, params)
-    spec = _first_three(lambda: make_engine(tiny_llama, tiny_llama_draft, config=BIG_QUEUE), "draft", 2, 3000,
+    plain = _first_three(lambda: make_engine(tiny_llama, limits=BIG_QUEUE), "none", 0, 3000, params)
+    spec = _first_three(lambda: make_engine(tiny_llama, tiny_llama_draft, limits=BIG_QUEUE), "draft", 2, 3000,
                         params)
     assert contingency_pvalue(plain, spec) > 1e-3
-    bare = _first_three(lambda: make_engine(tiny_llama, config=BIG_QUEUE), "none", 0, 3000,
+    bare = _first_three(lambda: make_engine(tiny_llama, limits=BIG_QUEUE), "none", 0, 3000,
                         SamplingParams(temperature=0.4, max_tokens=4, ignore_eos=True))
     assert contingency_pvalue(plain, bare) < 1e-6, "the penalties should change the counts"
 

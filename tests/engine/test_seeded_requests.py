@@ -63,7 +63,7 @@ def test_seeded_tokens_are_exact_draws_from_the_target(tiny_llama, tiny_llama_fa
 
     def factory():
         return make_engine(tiny_llama, tiny_llama_far_draft, slots=64, max_len=16,
-                           config=BIG_QUEUE)
+                           limits=BIG_QUEUE)
 
     plain, _ = first_three_counts(factory, "none", 0, n, 1.0)
     raced, engine = first_three_counts(factory, "draft", 2, n, 1.0, seed0=10**6)
@@ -93,7 +93,7 @@ def test_a_key_that_ignores_the_position_is_caught(monkeypatch, tiny_llama,
 
     def factory():
         return make_engine(tiny_llama, tiny_llama_far_draft, slots=64, max_len=16,
-                           config=BIG_QUEUE)
+                           limits=BIG_QUEUE)
 
     plain, _ = first_three_counts(factory, "none", 0, n, 1.0)
     raced, _ = first_three_counts(factory, "draft", 2, n, 1.0, seed0=10**6)

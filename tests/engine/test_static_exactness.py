@@ -88,7 +88,7 @@ def test_static_sampled_first_three_tokens_follow_plain_distribution(tiny_llama,
 
     def factory(step):
         return lambda: make_engine(tiny_llama, tiny_llama_far_draft, slots=64, max_len=16,
-                                   config=BIG_QUEUE, step=step)
+                                   limits=BIG_QUEUE, step=step)
 
     plain, _ = first_three_counts(factory("eager"), "none", 0, n, 1.0)
     spec, engine = first_three_counts(factory(STEP), "draft", 2, n, 1.0)

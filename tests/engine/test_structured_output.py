@@ -18,7 +18,7 @@ import torch
 from engine_helpers import contingency_pvalue
 
 from specdec.engine.assemble import eos_ids_of
-from specdec.engine.engine import Engine, EngineConfig
+from specdec.engine.engine import Engine, EngineLimits
 from specdec.engine.request import Request
 from specdec.model.step.decoder import Decoder
 from specdec.model.step.grammar import GrammarSpec, grammar_error
@@ -56,7 +56,7 @@ def smol(smollm2_path):
 def _engine(s, queue=64) -> Engine:
     proposers = {"draft": DraftModelProposer(s["draft"], 8, 512), "ngram": NgramProposer(2, 5)}
     return Engine(LocalTargetRunner(s["target"], 8, 512), proposers, s["tok"], s["eos"],
-                  EngineConfig(max_waiting=queue))
+                  EngineLimits(max_waiting=queue))
 
 
 def _params(grammar: GrammarSpec, **kw) -> SamplingParams:
@@ -194,7 +194,7 @@ def test_a_draft_guessing_refused_tokens_keeps_the_masked_distribution(smol):
     def engine():
         return Engine(LocalTargetRunner(smol["target"], 8, 512),
                       {"half-refused": _HalfRefused(tok)}, tok, smol["eos"],
-                      EngineConfig(max_waiting=10**5))
+                      EngineLimits(max_waiting=10**5))
 
     params = _params(answer, temperature=1.0, max_tokens=8)
     plain, _ = _texts(engine(), prompt, params, "none", 0, 200)

@@ -20,7 +20,7 @@ from specdec.spec_decode.suffix import SuffixProposer
 
 
 def _engine(target, slots=8, **suffix):
-    return make_engine(target, slots=slots, config=BIG_QUEUE,
+    return make_engine(target, slots=slots, limits=BIG_QUEUE,
                        suffix=SuffixProposer(**{"min_count": 1, **suffix}))
 
 
@@ -67,7 +67,7 @@ def test_sampled_suffix_keeps_the_target_distribution(tiny_llama):
     continuation, which the next ones are offered as guesses (one-hot q) and mostly refuse."""
     n = 3000
     spec_counts, engine = first_three_counts(lambda: _engine(tiny_llama), "suffix", 2, n, 1.0)
-    plain_counts, _ = first_three_counts(lambda: make_engine(tiny_llama, config=BIG_QUEUE),
+    plain_counts, _ = first_three_counts(lambda: make_engine(tiny_llama, limits=BIG_QUEUE),
                                          "none", 0, n, 1.0)
     spec = engine.totals["suffix"]
     assert spec.drafted > n // 2, spec
@@ -100,7 +100,7 @@ def test_sampled_plain_rows_with_free_guesses_keep_the_target_distribution(tiny_
     n = 3000
     counts, engine = first_three_counts(lambda: _engine(tiny_llama, plain_rows_k=2), "none",
                                         0, n, 1.0)
-    plain_counts, _ = first_three_counts(lambda: make_engine(tiny_llama, config=BIG_QUEUE),
+    plain_counts, _ = first_three_counts(lambda: make_engine(tiny_llama, limits=BIG_QUEUE),
                                          "none", 0, n, 1.0)
     free = engine.totals["suffix"]
     assert free.drafted > n // 4 and 0 < free.accepted < free.drafted, free

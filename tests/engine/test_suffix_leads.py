@@ -24,7 +24,7 @@ from specdec.spec_decode.suffix import SuffixProposer
 
 
 def _engine(target, draft, slots=8):
-    engine = make_engine(target, draft, slots=slots, config=BIG_QUEUE,
+    engine = make_engine(target, draft, slots=slots, limits=BIG_QUEUE,
                          suffix=SuffixProposer(min_count=1, plain_rows_k=6))
     engine.choose_k = lambda eng, req, spec, running, **_: 2  # the policy's k: 2
     return engine
@@ -74,7 +74,7 @@ def test_sampled_rows_led_by_the_index_keep_the_target_distribution(tiny_llama,
     n = 3000
     counts, engine = first_three_counts(lambda: _engine(tiny_llama, tiny_llama_far_draft),
                                         "draft", 2, n, 1.0)
-    plain_counts, _ = first_three_counts(lambda: make_engine(tiny_llama, config=BIG_QUEUE),
+    plain_counts, _ = first_three_counts(lambda: make_engine(tiny_llama, limits=BIG_QUEUE),
                                          "none", 0, n, 1.0)
     led = engine.totals["suffix"]
     assert led.drafted > n // 4 and 0 < led.accepted < led.drafted, led
@@ -111,7 +111,7 @@ def test_the_overlap_chooser_sees_steps_the_index_led(tiny_llama, tiny_llama_far
     """overlap auto compares sequential and overlapped steps; a sequential step whose rows
     the index all led is speculative too (and only sequential steps can be led)."""
     prompt = random_prompts((12,), seed=45)[0]
-    engine = make_engine(tiny_llama, tiny_llama_far_draft, slots=2, config=BIG_QUEUE,
+    engine = make_engine(tiny_llama, tiny_llama_far_draft, slots=2, limits=BIG_QUEUE,
                          suffix=SuffixProposer(min_count=1, plain_rows_k=6), overlap="auto")
     engine.choose_k = lambda eng, req, spec, running, **_: 2
     engine.overlap.chooser.block = 10_000  # sequential steps only: the index may lead
@@ -129,7 +129,7 @@ def test_scoped_per_user_another_tenants_repeat_is_drafted_and_says_the_same(
         tiny_llama, tiny_llama_far_draft):
     prompt = random_prompts((12,), seed=44)[0]
     expected = plain_reference(tiny_llama, [prompt], 40)[0]
-    engine = make_engine(tiny_llama, tiny_llama_far_draft, slots=8, config=BIG_QUEUE,
+    engine = make_engine(tiny_llama, tiny_llama_far_draft, slots=8, limits=BIG_QUEUE,
                          suffix=SuffixProposer(min_count=1, plain_rows_k=6, scope="user"))
     engine.choose_k = lambda eng, req, spec, running, **_: 2
 

@@ -300,7 +300,7 @@ def test_the_prefix_cache_in_the_served_formats_changes_no_token(q4k_pair, tmp_p
     alone and in a batch, give the tokens of the same engine without the cache."""
     from conftest import make_perturbed_copy
 
-    from specdec.engine.engine import EngineConfig
+    from specdec.engine.engine import EngineLimits
 
     gguf_path, src = q4k_pair
     target = Decoder.from_checkpoint(gguf_path, "q4k")
@@ -311,7 +311,7 @@ def test_the_prefix_cache_in_the_served_formats_changes_no_token(q4k_pair, tmp_p
         return Engine(LocalTargetRunner(target, 6, 192),
                       {"draft": DraftModelProposer(draft, 6, 192, "probabilistic",
                                                    prefix_cache=on)},
-                      None, (), EngineConfig(prefix_cache=on, max_tokens_per_step=48))
+                      None, (), EngineLimits(prefix_cache=on, max_tokens_per_step=48))
 
     on, off = engine(True), engine(False)
     firsts = random_prompts((30, 9, 17), seed=9)

@@ -100,7 +100,7 @@ def test_wrong_shortcut_breaks_greedy_identity(tiny_llama, tiny_llama_far_draft)
 
 def _counts(draft, overlap, seed0, n=4000, wrong=False, tiny_llama=None):
     def factory():
-        engine = make_engine(tiny_llama, draft, slots=64, max_len=16, config=BIG_QUEUE,
+        engine = make_engine(tiny_llama, draft, slots=64, max_len=16, limits=BIG_QUEUE,
                              overlap=overlap)
         if wrong:
             keep_every_head(engine)
@@ -245,12 +245,12 @@ def test_the_draft_takes_in_the_prompt_while_the_target_prefills_it(pair):
     """With compute of its own, the draft's catch-up on a long prompt is hidden: it reads
     each chunk while the target computes it, so its first round has nothing left to catch
     up on; and the output is still exactly plain's."""
-    from specdec.engine.engine import EngineConfig
+    from specdec.engine.engine import EngineLimits
 
     target, draft = pair
     prompt = random_prompts((150,), seed=21)[0]
     engine = make_engine(target, draft, slots=2, overlap="on",
-                         config=EngineConfig(max_tokens_per_step=48))
+                         limits=EngineLimits(max_tokens_per_step=48))
     out = engine.run([Request("long", prompt, greedy(20), "draft", 3)])["long"]
     assert out.token_ids == plain_reference(target, [prompt], 20)[0]
     steps = list(engine.history)

@@ -45,10 +45,7 @@ import torch
 from specdec.model.formats import kquant_choice
 from specdec.model.formats.int8_linear import DynamicInt8Linear, RowInt8Linear
 from specdec.model.formats.linear import DenseLinear, Linear, PackedFp16Linear
-
-FORMATS = ("auto", "float32", "bfloat16", "float16", "int8", "w8a8", "int8-dynamic", "q4k",
-           "int4")
-
+from specdec.vocabulary import FORMATS
 
 # Formats whose row results depend on the other rows of a batch.
 BATCH_DEPENDENT = frozenset({"int8-dynamic"})

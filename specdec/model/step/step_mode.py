@@ -4,13 +4,10 @@ captured as CUDA graphs (specdec/model/step/cuda_graph.py)."""
 
 from __future__ import annotations
 
-from typing import Literal
-
 from specdec.model.step.cuda_graph import CapturedDecoder
 from specdec.model.step.decoder import Decoder
 from specdec.model.step.static_step import StaticDecoder
-
-StepMode = Literal["eager", "static", "compiled", "captured"]
+from specdec.vocabulary import StepMode
 
 
 def with_step(model: Decoder, step: StepMode) -> Decoder | StaticDecoder:
