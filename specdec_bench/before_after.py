@@ -31,7 +31,7 @@ def _worker(config: str) -> None:
         from specdec.engine.spec import EngineSpec
         try:  # one value for a request's speculation
             from specdec.spec_decode.speculation import Speculation
-        except ImportError:  # 106f4ca and older
+        except ImportError:  # d163c20 and older
             from specdec.policy.engine_policy import Overrides as Speculation
         try:  # the model package in three rooms
             from specdec.model.step.sampling import SamplingParams
