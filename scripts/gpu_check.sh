@@ -28,14 +28,14 @@ print(f"cuda fp32 logits max abs diff vs transformers: {(got - exp).abs().max().
 PY
 python - <<'PY'
 import time
-from deployments.config import GroupRuntimeConfig, ModelGroupConfig, ActorResources
+from specdec.engine.spec import ActorResources, ModelGroupSpec, RuntimeSpec
 from deployments.launch import local_ray
 from deployments.actors.target import RayTargetRunner
 with local_ray(num_cpus=4):
     import ray
-    r = RayTargetRunner(ModelGroupConfig(model="qwen2.5-coder-1.5b", tp=1, dtype="bfloat16",
+    r = RayTargetRunner(ModelGroupSpec(model="qwen2.5-coder-1.5b", tp=1, dtype="bfloat16",
                         resources=ActorResources(num_cpus=1, num_gpus=1)),
-                        GroupRuntimeConfig(max_slots=4, max_len=1024))
+                        RuntimeSpec(max_slots=4, max_len=1024))
     print("target group:", r.stats)
     r.shutdown()
 PY

@@ -32,8 +32,6 @@ from specdec.pack.tokenizer import chat_ids, load_tokenizer
 from specdec.progress import Progress
 from specdec_bench.table import median, print_table, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
-
 # The conversation: what a user asks, turn by turn; files pasted into it grow the history
 # the way a code assistant's does. The files are frozen copies (chat_files/): the workload
 # must not change when the project's own modules do (a module that grew tenfold once made
@@ -49,7 +47,7 @@ TURNS = [
     "Summarize our whole conversation in three bullet points.",
 ]
 LONG_FILE = "decide.py.txt"
-FILES = ROOT / "benchmarks" / "chat_files"
+FILES = Path(__file__).resolve().parent / "chat_files"  # frozen copies of our sources
 SHORT = "Write a Python function that checks whether a string is a palindrome."
 
 

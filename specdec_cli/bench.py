@@ -10,7 +10,7 @@ from specdec.vocabulary import StepMode
 
 
 def _run(benchmark: str):
-    """The handler of `specdec bench <name>`: imports benchmarks.<name> (torch, and Ray for
+    """The handler of `specdec bench <name>`: imports specdec_bench.<name> (torch, and Ray for
     some) only when that benchmark runs."""
 
     def handler(args) -> int:

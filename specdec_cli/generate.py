@@ -95,7 +95,7 @@ def _generate(args, spec, method, k, built, load_s) -> int:
             print(out.new_text, end="", flush=True)
 
     t0 = time.perf_counter()
-    out = built.engine.run([Request.pinned("cli", ids, params, method, k, stream)])["cli"]
+    out = built.engine.run([Request.pinned("cli", ids, params, method, k, on_output=stream)])["cli"]
     elapsed = time.perf_counter() - t0
     if args.json:
         print(json.dumps({

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdec_bench import busy_start, formats, llama_peer
+from specdec_bench import busy_start, chat, formats, llama_peer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -16,3 +16,7 @@ def test_benchmarks_resolve_the_repository_root():
         assert module.ROOT == REPO, module.__name__
     for rel in formats.SOURCES:  # the held-out prompts of bench formats
         assert (formats.ROOT / rel).is_file(), rel
+    # The files bench chat's conversation and long prompt paste, expanded as it does.
+    for turn in chat.TURNS:
+        assert "{file:" not in chat._expand(turn)
+    assert (chat.FILES / chat.LONG_FILE).is_file()
