@@ -47,20 +47,6 @@ from specdec.model.formats.int8_linear import DynamicInt8Linear, RowInt8Linear
 from specdec.model.formats.linear import DenseLinear, Linear, PackedFp16Linear
 from specdec.vocabulary import FORMATS
 
-# Formats whose row results depend on the other rows of a batch.
-BATCH_DEPENDENT = frozenset({"int8-dynamic"})
-
-# Formats a target may not run in, and why. A target's rows must not depend on their batch
-# (greedy speculative output identical to plain in the format served) and it must stay as
-# close to its checkpoint as the peer's arithmetic of the same file (`bench formats`).
-DRAFT_ONLY = {
-    "int8-dynamic": "its rows' results depend on the other rows of a batch, so greedy "
-                    "speculative output would not stay identical to plain",
-    "int4": "it rounds every projection to 4 bits, whatever the file stores: further from "
-            "the checkpoint than a target may be",
-}
-
-
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -69,7 +55,7 @@ _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclasses.dataclass(frozen=True)
 class WeightFormat:
-    name: str                  # float32 | bfloat16 | float16
+    name: str                  # its name in the table (specdec/vocabulary.py)
     weight_dtype: torch.dtype  # how weights are stored
     act_dtype: torch.dtype     # activations (the KV cache: kv_dtype)
     packed: bool               # fp16 weights packed for FBGEMM (CPU)
@@ -108,6 +94,71 @@ class WeightFormat:
         return self.linear(torch.cat(parts), bias)
 
 
+@dataclasses.dataclass(frozen=True)
+class FormatEntry:
+    """One weight format: how it stores and runs a weight on a CPU, what that needs, and
+    what it may serve."""
+
+    cpu: WeightFormat | None        # on a CPU where `needs` run (None: "auto" decides)
+    # What must run here, each with the format used instead where it does not ("plain":
+    # the format's own torch dtype, unpacked).
+    needs: tuple[tuple[str, str], ...] = ()
+    on_cuda: bool = False           # runs on CUDA as its plain torch dtype (else "auto")
+    # A row's result depends on the other rows of its batch (the activation scale is the
+    # batch's): greedy speculative output would not stay identical to plain.
+    batch_dependent: bool = False
+    # Why a target may not run in it (None: it may): a target's rows must not depend on
+    # their batch, and it must stay as close to its checkpoint as the peer's arithmetic of
+    # the same file (`bench formats`). Exactness never depends on the draft's numbers.
+    draft_only: str | None = None
+
+
+def _per_row(name: str, levels: int, **kw) -> WeightFormat:
+    """The int8 family: fp16 embedding table (only indexed, cast per lookup), fp32
+    activations, per-row int8 activations where per_row."""
+    return WeightFormat(name, torch.float16, torch.float32, packed=False, int8=True,
+                        levels=levels, **kw)
+
+
+_FBGEMM = ("fbgemm", "auto")    # int8 GEMMs run on FBGEMM (x86 CPUs)
+_KQUANT = ("kquant", "int8")    # our Q4_K/Q6_K kernel (a C++ compiler, AVX512-VNNI)
+
+# The table: one entry per format name (specdec/vocabulary.py spells the names).
+TABLE: dict[str, FormatEntry] = {
+    "auto": FormatEntry(None),
+    "float32": FormatEntry(WeightFormat("float32", torch.float32, torch.float32, False),
+                           on_cuda=True),
+    "bfloat16": FormatEntry(WeightFormat("bfloat16", torch.bfloat16, torch.bfloat16, False),
+                            on_cuda=True),
+    "float16": FormatEntry(WeightFormat("float16", torch.float16, torch.float32, packed=True),
+                           needs=(("fbgemm", "plain"),), on_cuda=True),
+    "int8": FormatEntry(_per_row("int8", 2, per_row=True), needs=(_FBGEMM,)),
+    "w8a8": FormatEntry(_per_row("w8a8", 1, per_row=True), needs=(_FBGEMM,)),
+    "int8-dynamic": FormatEntry(
+        _per_row("int8-dynamic", 1), needs=(_FBGEMM,), batch_dependent=True,
+        draft_only="its rows' results depend on the other rows of a batch, so greedy "
+                   "speculative output would not stay identical to plain"),
+    # Both attend per token through the token-attention kernel (int4 too: at long contexts
+    # it is faster than the padded grid).
+    "q4k": FormatEntry(_per_row("q4k", 2, per_row=True, q4k=True),
+                       needs=(_FBGEMM, _KQUANT)),
+    "int4": FormatEntry(
+        _per_row("int4", 2, per_row=True, q4k=True, q4k_all=True), needs=(_FBGEMM, _KQUANT),
+        draft_only="it rounds every projection to 4 bits, whatever the file stores: further "
+                   "from the checkpoint than a target may be"),
+}
+assert set(TABLE) == set(FORMATS), set(TABLE) ^ set(FORMATS)
+
+# Formats a target may not run in, and why (EngineSpec refuses them for target.dtype).
+DRAFT_ONLY = {name: e.draft_only for name, e in TABLE.items() if e.draft_only}
+
+_WITHOUT = {
+    "fbgemm": "needs FBGEMM on a CPU (x86)",
+    "kquant": "needs its kernel, which did not build here (a C++ compiler and torch's "
+              "headers) or has no SIMD form for this CPU (AVX512-VNNI)",
+}
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_has_native_bf16() -> bool:
     try:
@@ -123,40 +174,44 @@ def fbgemm_available() -> bool:
 
 
 def resolve_format(name: str | torch.dtype, device: str | torch.device = "cpu") -> WeightFormat:
-    """A format name (or torch dtype) -> what to store and compute in on this device."""
+    """A format name (or torch dtype) -> what to store and compute in on this device: the
+    table's entry, or where something it needs does not run here, the entry it names."""
     if isinstance(name, torch.dtype):
         name = {v: k for k, v in _TORCH.items()}.get(name, str(name))
     name = _ALIASES.get(name, name)
-    if name not in FORMATS:
+    if name not in TABLE:
         raise ValueError(f"dtype must be one of {list(FORMATS)}, got {name!r}")
     cuda = torch.device(device).type == "cuda"
     if name == "auto":
         name = "bfloat16" if cuda else fastest_cpu_format(torch.get_num_threads())
-    if name in ("q4k", "int4") and not cuda and fbgemm_available():
-        from specdec.model.formats.q4k import available
-
-        if available():
-            # Both attend per token through the token-attention kernel (int4 too: at long
-            # contexts it is faster than the padded grid).
-            return WeightFormat(name, torch.float16, torch.float32, packed=False, int8=True,
-                                per_row=True, levels=2, q4k=True, q4k_all=name == "int4")
-        warnings.warn(f"dtype {name!r} needs its kernel, which did not build here (a C++ "
-                      "compiler and torch's headers) or has no SIMD form for this CPU "
-                      "(AVX512-VNNI); using 'int8'", stacklevel=2)
-        name = "int8"
-    if name in ("int8", "w8a8", "int8-dynamic", "q4k", "int4"):
-        if cuda or not fbgemm_available():
-            # Where FBGEMM's int8 does not run, the config still starts, in the fastest
-            # format here (a batch-independent one: the target may be asking).
-            warnings.warn(f"dtype {name!r} needs FBGEMM on a CPU (x86); using 'auto' here",
+    entry = TABLE[name]
+    if cuda:
+        if entry.on_cuda:
+            return _plain(name)
+        # Where FBGEMM's int8 does not run, the config still starts, in the fastest format
+        # here (a batch-independent one: the target may be asking).
+        warnings.warn(f"dtype {name!r} {_WITHOUT['fbgemm']}; using 'auto' here", stacklevel=2)
+        return resolve_format("auto", device)
+    for need, instead in entry.needs:
+        if not _runs_here(need):
+            if instead == "plain":
+                return _plain(name)
+            warnings.warn(f"dtype {name!r} {_WITHOUT[need]}; using {instead!r} here",
                           stacklevel=2)
-            return resolve_format("auto", device)
-        # The embedding table is only indexed: kept in fp16, cast per lookup.
-        return WeightFormat(name, torch.float16, torch.float32, packed=False, int8=True,
-                            per_row=name != "int8-dynamic", levels=2 if name == "int8" else 1)
-    if name == "float16" and not cuda and fbgemm_available():
-        return WeightFormat(name, torch.float16, torch.float32, packed=True)
+            return resolve_format(instead, device)
+    return entry.cpu
+
+
+def _plain(name: str) -> WeightFormat:
     return WeightFormat(name, _TORCH[name], _TORCH[name], packed=False)
+
+
+def _runs_here(need: str) -> bool:
+    if need == "fbgemm":
+        return fbgemm_available()
+    from specdec.model.formats.q4k import available  # builds the kernel on first use
+
+    return available()
 
 
 def cpu_candidates() -> list[str]:
