@@ -39,24 +39,24 @@ def _file_weight(weight: FileWeight | torch.Tensor) -> FileWeight:
     return weight if isinstance(weight, FileWeight) else FileWeight(weight)
 
 
-def keeps_blocks(source, everything: bool = False) -> bool:
+def keeps_blocks(source, round_all_to_q4k: bool = False) -> bool:
     """Whether a weight the file holds as `source` runs on those very blocks (so the loader
     never needs its floats): Q4_K always, Q6_K except under int4 (which rounds it to 4 bits)."""
-    return isinstance(source, Q4KBlocks) or (isinstance(source, Q6KBlocks) and not everything)
+    return isinstance(source, Q4KBlocks) or (isinstance(source, Q6KBlocks) and not round_all_to_q4k)
 
 
-def kind(weight: FileWeight | torch.Tensor, everything: bool = False) -> str:
+def kind(weight: FileWeight | torch.Tensor, round_all_to_q4k: bool = False) -> str:
     """"blocks" / "blocks6" (the file's Q4_K / Q6_K blocks), "int8" (another quantized type,
     or columns that are not whole blocks) or "quantize" (floats, quantized to Q4_K here).
-    everything (int4): "blocks" or "quantize", whatever the file stores, where the columns
+    round_all_to_q4k (int4): "blocks" or "quantize", whatever the file stores, where the columns
     come in 32s."""
     weight = _file_weight(weight)
     source = weight.blocks
     if isinstance(source, Q4KBlocks):
         return "blocks"
-    if isinstance(source, Q6KBlocks) and not everything:
+    if isinstance(source, Q6KBlocks) and not round_all_to_q4k:
         return "blocks6"
-    if everything:
+    if round_all_to_q4k:
         return "int8" if weight.shape[1] % 32 else "quantize"
     if source == "int8" or weight.shape[1] % QK:
         return "int8"
@@ -64,9 +64,9 @@ def kind(weight: FileWeight | torch.Tensor, everything: bool = False) -> str:
 
 
 def linear(weight: FileWeight | torch.Tensor, bias: torch.Tensor | None,
-           everything: bool = False) -> Linear:
+           round_all_to_q4k: bool = False) -> Linear:
     weight = _file_weight(weight)
-    k = kind(weight, everything)
+    k = kind(weight, round_all_to_q4k)
     if k == "blocks":
         return Q4KLinear(weight.blocks, bias)
     if k == "blocks6":
@@ -77,12 +77,12 @@ def linear(weight: FileWeight | torch.Tensor, bias: torch.Tensor | None,
 
 
 def linear_rows(parts: list[FileWeight | torch.Tensor], bias: torch.Tensor | None,
-                everything: bool = False) -> Linear:
+                round_all_to_q4k: bool = False) -> Linear:
     """One layer over weights stacked by rows; consecutive parts of one kind share a layer."""
     parts = [_file_weight(p) for p in parts]
     groups: list[list[FileWeight]] = []
     for p in parts:
-        if groups and kind(p, everything) == kind(groups[-1][0], everything):
+        if groups and kind(p, round_all_to_q4k) == kind(groups[-1][0], round_all_to_q4k):
             groups[-1].append(p)
         else:
             groups.append([p])
@@ -90,7 +90,7 @@ def linear_rows(parts: list[FileWeight | torch.Tensor], bias: torch.Tensor | Non
     for g in groups:
         rows = sum(p.shape[0] for p in g)
         b = None if bias is None else bias[start:start + rows]
-        linears.append(linear(_cat_rows(g), b, everything))
+        linears.append(linear(_cat_rows(g), b, round_all_to_q4k))
         start += rows
     return linears[0] if len(linears) == 1 else RowStackedLinear(linears)
 

@@ -65,7 +65,7 @@ class WeightFormat:
     per_row: bool = False
     levels: int = 2            # per-row int8 levels: 2 (int8) or 1 (w8a8)
     q4k: bool = False          # Q4_K blocks through our kernel, the rest as int8
-    q4k_all: bool = False      # every projection in Q4_K blocks (int4)
+    round_all_to_q4k: bool = False      # every projection in Q4_K blocks (int4)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -77,7 +77,7 @@ class WeightFormat:
     def linear(self, weight, bias: torch.Tensor | None = None) -> Linear:
         """weight: a float tensor, or under q4k/int4 a kquant_choice.FileWeight."""
         if self.q4k:
-            return kquant_choice.linear(weight, bias, self.q4k_all)
+            return kquant_choice.linear(weight, bias, self.round_all_to_q4k)
         if self.int8:
             return RowInt8Linear(weight, bias, self.levels) if self.per_row else \
                 DynamicInt8Linear(weight, bias)
@@ -90,7 +90,7 @@ class WeightFormat:
         """One linear over weights stacked by rows (q|k|v, gate|up). Under q4k/int4, parts the
         file stores differently (a Q6_K v beside Q4_K q and k) each keep their own storage."""
         if self.q4k:
-            return kquant_choice.linear_rows(parts, bias, self.q4k_all)
+            return kquant_choice.linear_rows(parts, bias, self.round_all_to_q4k)
         return self.linear(torch.cat(parts), bias)
 
 
@@ -143,7 +143,7 @@ TABLE: dict[str, FormatEntry] = {
     "q4k": FormatEntry(_per_row("q4k", 2, per_row=True, q4k=True),
                        needs=(_FBGEMM, _KQUANT)),
     "int4": FormatEntry(
-        _per_row("int4", 2, per_row=True, q4k=True, q4k_all=True), needs=(_FBGEMM, _KQUANT),
+        _per_row("int4", 2, per_row=True, q4k=True, round_all_to_q4k=True), needs=(_FBGEMM, _KQUANT),
         draft_only="it rounds every projection to 4 bits, whatever the file stores: further "
                    "from the checkpoint than a target may be"),
 }

@@ -132,7 +132,7 @@ class Decoder:
             if not fmt.q4k:
                 return ck.get(name, **kw).to(device)
             blocks = ck.stored_blocks(name, **kw) if hasattr(ck, "stored_blocks") else None
-            if kquant_choice.keeps_blocks(blocks, fmt.q4k_all):
+            if kquant_choice.keeps_blocks(blocks, fmt.round_all_to_q4k):
                 return kquant_choice.FileWeight(None, blocks)  # never dequantized
             return kquant_choice.FileWeight(ck.get(name, **kw).to(device), blocks)
 
