@@ -228,7 +228,7 @@ class Engine:
             raise
         verify_s = time.perf_counter() - t0
         call = self.target.last_call
-        settled = self.overlap.settle(draft, self.target, window, plan.windows, results)
+        settled = self.overlap.close_window(draft, self.target, window, plan.windows, results)
         return StepRun(results=results, settled=settled, verify_s=verify_s,
                        target_compute_s=call.compute_s if call else verify_s,
                        target_bytes=call.bytes if call else 0)
@@ -265,11 +265,11 @@ class Engine:
         """Overlap: the row's settled next token, whether the draft offered a head guess
         and whether it was kept; the rest of the draft's window waits for the next step."""
         if not res.deferred:
-            seq.ahead = None
+            seq.predrafted = None
             return None
         r = window.resolved[seq.req.request_id]
         prop = window.proposals.get(seq.req.request_id)
-        seq.ahead = Proposal(prop.token_ids[1:],
+        seq.predrafted = Proposal(prop.token_ids[1:],
                              None if prop.q_ids is None else prop.q_ids[1:],
                              None if prop.q_probs is None else prop.q_probs[1:]) \
             if r.accepted and prop is not None and len(prop.token_ids) > 1 else None

@@ -57,7 +57,7 @@ class Plan:
 class _Asks:
     by_method: dict[str, list[ProposeInput]]
     windows: list[ProposeInput]
-    ahead: dict[str, list[int]]    # overlap: the row's guesses drafted during the last step
+    predrafted: dict[str, list[int]]  # overlap: the row's guesses drafted during the last step
     free: list[ProposeInput] = dataclasses.field(default_factory=list)  # plain rows' asks
     lead: list[ProposeInput] = dataclasses.field(default_factory=list)  # drafting rows'
 
@@ -79,7 +79,7 @@ def plan_step(decode: list[Seq], prefill: list[Seq], overlapped: bool,
     proposals.update(led)
     free = _free_guesses(asks.free, proposers.get("suffix"), proposals) | set(led)
     work.draft_s = time.perf_counter() - t0
-    rows, num_draft = _decode_rows(decode, asks.ahead, proposals, failed, totals)
+    rows, num_draft = _decode_rows(decode, asks.predrafted, proposals, failed, totals)
     rows += _prefill_rows(prefill, limits, sum(len(r.tokens) for r in rows))
     draft = proposers.get("draft")
     if overlapped:  # hidden: the draft prefills on its own compute beside the target
@@ -177,16 +177,16 @@ def _asks(decode: list[Seq], overlapped: bool, work: Drafting, max_len: int) -> 
         if ahead_of_step:
             # This step verifies the guesses drafted during the last one; the draft goes on
             # from their end, as if they will all be kept.
-            ahead = seq.ahead.token_ids[: seq.k_now] if seq.ahead else []
-            context = seq.tokens + ahead
+            predrafted = seq.predrafted.token_ids[: seq.k_now] if seq.predrafted else []
+            context = seq.tokens + predrafted
             # The draft's cache holds context + (guesses - 1) positions: stay in it.
             window_k = min(seq.k_now, max_len - len(context) + 1)
             if window_k > 0:
-                out.ahead[rid] = ahead
+                out.predrafted[rid] = predrafted
                 out.windows.append(ProposeInput(rid, context, window_k, seq.req.params,
                                                 tenant=seq.req.tenant))
                 continue
-        seq.ahead = None
+        seq.predrafted = None
         if seq.k_now:
             out.by_method[method].append(ProposeInput(rid, seq.tokens, seq.k_now,
                                                       seq.req.params, tenant=seq.req.tenant))
@@ -224,14 +224,14 @@ def _propose(asks: dict[str, list[ProposeInput]], proposers: dict[str, Proposer]
     return proposals, failed
 
 
-def _q(prop: Proposal | None, n: int):
+def _draft_q(prop: Proposal | None, n: int):
     """The first n guesses' q, or None (one-hot: greedy drafts, n-gram, no guesses)."""
     if prop is None or prop.q_probs is None or not n:
         return None
     return prop.q_ids[:n], prop.q_probs[:n]
 
 
-def _decode_rows(decode: list[Seq], ahead: dict[str, list[int]],
+def _decode_rows(decode: list[Seq], predrafted: dict[str, list[int]],
                  proposals: dict[str, Proposal], failed: set[str],
                  totals: dict[str, SpecCounters]) -> tuple[list[TargetRow], dict[str, int]]:
     rows: list[TargetRow] = []
@@ -239,11 +239,11 @@ def _decode_rows(decode: list[Seq], ahead: dict[str, list[int]],
     for seq in decode:
         rid = seq.req.request_id
         pending = seq.tokens[seq.cached:]
-        if rid in ahead:  # overlap: verify last step's guesses, defer the last position
-            guesses = ahead[rid]
+        if rid in predrafted:  # overlap: verify last step's guesses, defer the last position
+            guesses = predrafted[rid]
             num_draft[rid] = len(guesses)
             rows.append(TargetRow(rid, seq.slot, seq.cached, pending + guesses, len(guesses),
-                                  _q(seq.ahead, len(guesses)), True, defer_last=True))
+                                  _draft_q(seq.predrafted, len(guesses)), True, defer_last=True))
             continue
         prop = proposals.get(rid)
         guesses = prop.token_ids[: seq.k_now or seq.k_free] if prop else []
@@ -261,7 +261,7 @@ def _decode_rows(decode: list[Seq], ahead: dict[str, list[int]],
             seq.spec.empty_proposals += 1
             totals[seq.req.method].empty_proposals += 1
         rows.append(TargetRow(rid, seq.slot, seq.cached, pending + guesses, len(guesses),
-                              _q(prop, len(guesses)), True, masks=masks))
+                              _draft_q(prop, len(guesses)), True, masks=masks))
     return rows, num_draft
 
 

@@ -90,7 +90,7 @@ class Seq:
     first_token: float | None = None
     # Overlap: guesses the draft made during the last step, valid for the current context
     # (their head was kept), to be verified in this step.
-    ahead: Proposal | None = None
+    predrafted: Proposal | None = None
     # Context length at this row's last draft call: what the draft has to catch up on
     # before its first guess (the whole prompt on a first round, a plain stretch after it).
     draft_seen: int = 0

@@ -149,7 +149,7 @@ class Settled:
     resolve_s: float = 0.0
 
 
-def settle(draft, target, window, windows: list[ProposeInput], results: list) -> Settled:
+def close_window(draft, target, window, windows: list[ProposeInput], results: list) -> Settled:
     """Overlap: stop the draft, take its guesses, settle each deferred position against
     its row's head guess."""
     out = Settled()
@@ -255,8 +255,8 @@ class Overlap:
             pass
 
     @staticmethod
-    def settle(draft, target, window, windows: list[ProposeInput], results: list) -> Settled:
-        return settle(draft, target, window, windows, results)
+    def close_window(draft, target, window, windows: list[ProposeInput], results: list) -> Settled:
+        return close_window(draft, target, window, windows, results)
 
     def observe(self, overlapped: bool, step_s: float, emitted: int, drafted: bool,
                 graph_built: bool) -> None:
