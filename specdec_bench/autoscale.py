@@ -8,9 +8,10 @@ through three phases:
   load   clients keep more requests in flight than one replica's target: Serve adds an
          engine replica, the autoscaler a node for its draft, the ingress spreads requests
          over both;
-  idle   two clients keep a long request in flight while the extra replica drains and
-         then its node goes away; the moment the drain begins is taken to a tenth of a
-         second, so a request caught in flight on the draining replica is seen.
+  idle   two clients keep a long request in flight while the extra replica drains (the
+         moment the drain begins is taken to a twentieth of a second, so a request caught
+         in flight on the draining replica is seen), then one, below one replica's target,
+         while its node goes away.
 
 Every request is recorded (sent, status, latency, the replica that served it, whether it
 speculated), and the cluster is sampled every second (replicas, nodes, requests in flight).
@@ -200,9 +201,9 @@ def run(clients: int = 6, max_tokens: int = 48, load_s: float = 150.0, idle_s: f
 
             idle_tokens = scaling.max_len - 32  # as long as a slot holds: a long drain
 
-            def client(phase: str, pause: float) -> None:
+            def client(phase: str, pause: float, own: threading.Event = stop) -> None:
                 with httpx.Client(base_url=base, timeout=120) as cx:
-                    while not stop.is_set():
+                    while not (stop.is_set() or own.is_set()):
                         rec.call(cx, phase, max_tokens if phase == "load" else idle_tokens)
                         stop.wait(pause)
 
@@ -238,11 +239,14 @@ def run(clients: int = 6, max_tokens: int = 48, load_s: float = 150.0, idle_s: f
                     dashboard = dashboard_view(prom)
             stamp("load over")
             stop.clear()
-            # Two clients (one replica's target) keep a long request in flight, each
-            # sending the next as the last returns, while the extra replica drains: its
-            # last one is answered by it as it goes.
-            workers = [threading.Thread(target=client, args=("idle", 0.0), daemon=True)
-                       for _ in range(2)]
+            # Two clients keep a long request in flight, each sending the next as the last
+            # returns, while the extra replica drains: its last one is answered by it as
+            # it goes. Once it has gone, one client stops: two requests always in flight
+            # are one replica's whole target, where Serve's averaging can ask for the
+            # second replica again (a run once saw it come back for 44 s).
+            second_quits = threading.Event()
+            workers = [threading.Thread(target=client, args=("idle", 0.0, own), daemon=True)
+                       for own in (stop, second_quits)]
             for w in workers:
                 w.start()
             deadline = time.monotonic() + idle_s
@@ -259,6 +263,7 @@ def run(clients: int = 6, max_tokens: int = 48, load_s: float = 150.0, idle_s: f
                 if reps.get("running", 0) == 1 and not reps.get("stopping") and \
                         "back to one replica" not in events:
                     stamp("back to one replica")
+                    second_quits.set()
                 if "back to one replica" in events and cluster.nodes() == min_nodes:
                     stamp(f"nodes back to the minimum ({min_nodes})")
                     break
