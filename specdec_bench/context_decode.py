@@ -4,10 +4,10 @@ process, `mode: off`) beside llama.cpp's `llama-bench -d DEPTH` on the same GGUF
     .venv/bin/python -m specdec_bench.context_decode [--depths 0 512 1024 1800] [--repeats 3]
 
 Each depth is measured for both, taking turns depth by depth and repeat by repeat, so a
-machine that drifts over minutes moves both alike. Ours: a prompt of DEPTH tokens (a source
-file of this repository) prefilled, then `--tokens` greedy tokens; decode tokens/s is taken
-after the first token (the engine's step, sampling and detokenizing included). llama.cpp:
-llama-bench's tg at that depth (the model's forward only). What llama.cpp's decode keeps as
+machine that drifts over minutes moves both alike. Ours: a prompt of DEPTH tokens (a
+frozen copy of one of this repository's modules) prefilled, then `--tokens` greedy tokens;
+decode tokens/s is taken after the first token (the engine's step, sampling and
+detokenizing included). llama.cpp: llama-bench's tg at that depth (the model's forward only). What llama.cpp's decode keeps as
 the context grows, ours must keep too: the K/V read per token grows with it, and nothing
 else should.
 """
@@ -24,7 +24,9 @@ from specdec_bench.in_process import decode_one
 from specdec_bench.table import median, print_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = "specdec/policy/decide.py"
+# A frozen copy of one of our modules (bench chat pastes it too): the prompt must not change
+# when the module does.
+SOURCE = "specdec_bench/chat_files/decide.py.txt"
 
 
 def _ours(built, tok, depth: int, tokens: int, label: str) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdec_bench import busy_start, chat, formats, llama_peer
+from specdec_bench import busy_start, chat, context_decode, formats, llama_peer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -20,3 +20,4 @@ def test_benchmarks_resolve_the_repository_root():
     for turn in chat.TURNS:
         assert "{file:" not in chat._expand(turn)
     assert (chat.FILES / chat.LONG_FILE).is_file()
+    assert (context_decode.ROOT / context_decode.SOURCE).is_file()
