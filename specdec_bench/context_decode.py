@@ -7,9 +7,9 @@ Each depth is measured for both, taking turns depth by depth and repeat by repea
 machine that drifts over minutes moves both alike. Ours: a prompt of DEPTH tokens (a
 frozen copy of one of this repository's modules) prefilled, then `--tokens` greedy tokens;
 decode tokens/s is taken after the first token (the engine's step, sampling and
-detokenizing included). llama.cpp: llama-bench's tg at that depth (the model's forward only). What llama.cpp's decode keeps as
-the context grows, ours must keep too: the K/V read per token grows with it, and nothing
-else should.
+detokenizing included). llama.cpp: llama-bench's tg at that depth (the model's forward
+only). What llama.cpp's decode keeps as the context grows, ours must keep too: the K/V
+read per token grows with it, and nothing else should.
 """
 
 from __future__ import annotations
