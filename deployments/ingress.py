@@ -267,8 +267,8 @@ class IngressServer:
         except ValueError as exc:  # the schema's bounds come first; this is the last guard
             raise APIError(400, str(exc)) from exc
         return GenerateCall(uuid.uuid4().hex, prompt_ids, params,
-                            Speculation(mode=spec.mode, method=spec.method, k=spec.k), bool(req.stream),
-                            grammar_field, req.user)
+                            Speculation(mode=spec.mode, method=spec.method, k=spec.k),
+                            bool(req.stream), grammar_field, req.user)
 
     def _check_ids(self, req) -> None:
         """Token ids a request names must be in the vocabulary: refused, naming the field."""

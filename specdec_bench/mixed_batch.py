@@ -46,8 +46,9 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
     def run(n_spec: int, tag: str) -> float:
-        reqs = [Request.pinned(f"{tag}-{i}", ids[i], params, "draft" if i < n_spec else "none",
-                        args.k if i < n_spec else 0) for i in range(args.rows)]
+        reqs = [Request.pinned(f"{tag}-{i}", ids[i], params,
+                               "draft" if i < n_spec else "none", args.k if i < n_spec else 0)
+                for i in range(args.rows)]
         t = time.perf_counter()
         out = engine.run(reqs)
         return sum(len(o.token_ids) for o in out.values()) / (time.perf_counter() - t)

@@ -155,8 +155,8 @@ def main(argv=None) -> int:
     on, off = rows[2], rows[0]
     print_table(rows, ["server", "tps_without", "tps_schema", "schema_vs_without",
                        "valid_replies"],
-                title=f"decode tokens/s with a JSON schema and without, greedy, {args.tokens} tokens "
-                f"at most, medians of {runs} runs")
+                title=f"decode tokens/s with a JSON schema and without, greedy, {args.tokens} "
+                f"tokens at most, medians of {runs} runs")
     print(f"speculation's gain (on / off): {on['tps_without'] / off['tps_without']:.2f} "
           f"without a schema, {on['tps_schema'] / off['tps_schema']:.2f} with one")
     if args.json:

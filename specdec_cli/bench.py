@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import get_args
 
 from specdec.vocabulary import FORMATS as DTYPES
-from specdec.vocabulary import StepMode
+from specdec.vocabulary import SpecMode, StepMode
 
 
 def _run(benchmark: str):
@@ -125,7 +125,7 @@ def _args_chat(bench) -> None:
     b_ch.add_argument("--config", default="serve_config.yaml",
                       help="the application config to serve (as users get it)")
     b_ch.add_argument("--modes", nargs="+", default=["auto", "off", "on"],
-                      choices=["auto", "off", "on"], help="our speculative modes")
+                      choices=get_args(SpecMode), help="our speculative modes")
     b_ch.add_argument("--peer-spec", nargs="*", default=["ngram-mod"],
                       help="llama-server --spec-type modes beside its plain (draft-simple "
                            "loads the draft)")

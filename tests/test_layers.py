@@ -2,9 +2,10 @@
 (model, pack, speculative decoding, policy, engine) under the Ray/Serve layer
 (deployments: actors, then the replica, router and app), under the benchmarks and ops tools,
 under the command line and the scripts. Inside the model layer, reading a checkpoint sits
-under the weight formats, which sit under running a step. Checked on every import statement, including the ones inside
-functions (a lazy import is still a dependency); imports under `if TYPE_CHECKING:` are
-type hints only and count for the direction but not for cycles."""
+under the weight formats, which sit under running a step. Checked on every import
+statement, including the ones inside functions (a lazy import is still a dependency);
+imports under `if TYPE_CHECKING:` are type hints only and count for the direction but not
+for cycles."""
 
 from __future__ import annotations
 

@@ -79,10 +79,11 @@ def calibrate(engine: Engine, policy: EnginePolicy, k_max: int) -> dict:
         for rows in sizes:
             for method, k, max_tokens in grid:
                 before = engine.steps
-                engine.run([Request.pinned(f"calibrate-{rows}-{method}-{k}-{i}", _prompt(n + i, vocab),
-                                    SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                   ignore_eos=True),
-                                    method, k) for i in range(rows)])
+                params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                        ignore_eos=True)
+                engine.run([Request.pinned(f"calibrate-{rows}-{method}-{k}-{i}",
+                                           _prompt(n + i, vocab), params, method, k)
+                            for i in range(rows)])
                 n += rows
                 runs.append({"rows": rows, "method": method, "k": k,
                              "steps": engine.steps - before})
@@ -90,8 +91,9 @@ def calibrate(engine: Engine, policy: EnginePolicy, k_max: int) -> dict:
             before = engine.steps
             length = min(CATCHUP_TOKENS, engine.target.max_len - 8)
             engine.run([Request.pinned("calibrate-catchup", _prompt(n, vocab, length),
-                                SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
-                                method, 2)])
+                                       SamplingParams(temperature=0.0, max_tokens=4,
+                                                      ignore_eos=True),
+                                       method, 2)])
             runs.append({"rows": 1, "method": method, "k": 2, "catchup": length,
                          "steps": engine.steps - before})
     finally:

@@ -198,19 +198,19 @@ class EngineSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     target: ModelGroupSpec = Field(description="The model whose distribution is served.")
     draft: DraftGroupSpec | None = Field(None, description="The draft model; none: only "
-                                           "plain decoding and n-gram lookup.")
+                                         "plain decoding and n-gram lookup.")
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec,
-                                   description="Limits and timeouts of both groups.")
+                                 description="Limits and timeouts of both groups.")
     ngram_min: int = Field(2, ge=1, description="Shortest suffix the n-gram proposer matches "
                            "in the context.")
     ngram_max: int = Field(5, ge=1, description="Longest suffix the n-gram proposer matches.")
     suffix: SuffixSpec = Field(default_factory=SuffixSpec,
-                                 description="Suffix speculation across requests.")
+                               description="Suffix speculation across requests.")
     max_tokens_per_step: int = Field(EngineLimits.max_tokens_per_step, ge=16, description=(
         "Token budget of one target forward: decode and verify tokens first, then prefill "
         "chunks of what remains (chunked prefill)."))
-    max_waiting: int = Field(EngineLimits.max_waiting, ge=1, description="Requests queued beyond max_slots; one "
-                             "more is refused with 503 and Retry-After.")
+    max_waiting: int = Field(EngineLimits.max_waiting, ge=1, description=(
+        "Requests queued beyond max_slots; one more is refused with 503 and Retry-After."))
     policy: PolicySettings = Field(default_factory=PolicySettings,
                                    description="The speculation policy.")
     warmup: bool = Field(True, description="Run every path (prefill, plain step, "

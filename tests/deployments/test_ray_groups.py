@@ -81,8 +81,9 @@ def test_smollm2_tp3_with_ngram_equals_plain(ray_cluster, smollm2_path):
             runtime=runtime, warmup=False)) as h:
         # k pinned: the policy would otherwise price n-gram rounds from this machine's
         # timings and might run every round plain, which proves nothing about verification.
-        out = h.engine.run([Request.pinned(f"r{i}", p, SamplingParams(temperature=0, max_tokens=32),
-                                    "ngram", 3) for i, p in enumerate(prompts)])
+        greedy32 = SamplingParams(temperature=0, max_tokens=32)
+        out = h.engine.run([Request.pinned(f"r{i}", p, greedy32, "ngram", 3)
+                            for i, p in enumerate(prompts)])
         for i, e in enumerate(expected):
             assert out[f"r{i}"].token_ids == e
         assert h.engine.totals["ngram"].accepted > 0

@@ -481,7 +481,8 @@ def test_bench_serve_sweeps_the_three_policies(server, tmp_path):
     _, base = server
     out = tmp_path / "serve.json"
     done = subprocess.run(
-        [sys.executable, "-m", "specdec_cli.main", "bench", "serve", "--url", base, "--model", MODEL,
+        [sys.executable, "-m", "specdec_cli.main", "bench", "serve", "--url", base,
+         "--model", MODEL,
          "--clients", "1", "2", "--requests-per-client", "1", "--max-tokens", "12", "--k", "3",
          "--temperatures", "0", "0.7", "--repeats", "2", "--json", str(out)],
         capture_output=True, text=True, timeout=600)

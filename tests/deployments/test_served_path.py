@@ -52,9 +52,8 @@ def test_sampled_output_through_the_ray_draft_follows_the_target(ray_local, tiny
     prompt = [5, 17, 33, 8]
 
     def counts(engine, method):
-        reqs = [Request.pinned(f"s{i}", prompt, SamplingParams(temperature=1.0, max_tokens=4,
-                                                        ignore_eos=True),
-                        method, 2) for i in range(n)]
+        params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+        reqs = [Request.pinned(f"s{i}", prompt, params, method, 2) for i in range(n)]
         outs = engine.run(reqs)
         return collections.Counter(tuple(o.token_ids[:3]) for o in outs.values())
 

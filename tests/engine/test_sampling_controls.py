@@ -153,8 +153,8 @@ def test_sampled_speculation_keeps_the_penalized_distribution(tiny_llama, tiny_l
     params = SamplingParams(temperature=0.4, max_tokens=4, ignore_eos=True,
                             frequency_penalty=1.0, presence_penalty=0.8)
     plain = _first_three(lambda: make_engine(tiny_llama, limits=BIG_QUEUE), "none", 0, 3000, params)
-    spec = _first_three(lambda: make_engine(tiny_llama, tiny_llama_draft, limits=BIG_QUEUE), "draft", 2, 3000,
-                        params)
+    spec = _first_three(lambda: make_engine(tiny_llama, tiny_llama_draft, limits=BIG_QUEUE),
+                        "draft", 2, 3000, params)
     assert contingency_pvalue(plain, spec) > 1e-3
     bare = _first_three(lambda: make_engine(tiny_llama, limits=BIG_QUEUE), "none", 0, 3000,
                         SamplingParams(temperature=0.4, max_tokens=4, ignore_eos=True))

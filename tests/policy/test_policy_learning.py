@@ -494,7 +494,8 @@ def test_the_catch_up_cost_is_learned_from_live_rounds():
 
 
 def gpu_eager_step(tokens: int) -> float:
-    """One H200, eager (specdec_bench/RESULTS.md, "On a GPU"): every forward ~16.7 ms, bound by the host."""
+    """One H200, eager (specdec_bench/RESULTS.md, "On a GPU"): every forward ~16.7 ms,
+    bound by the host."""
     return 0.0167
 
 

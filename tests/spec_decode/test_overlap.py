@@ -1,7 +1,7 @@
-"""Drafting overlapped with verification (specdec/spec_decode/overlap.py) keeps the output exactly the
-target's: token-identical under greedy decoding over many rejections and with continuous
-batching, the same distribution under sampling; and a lost draft costs no request. The
-wrong shortcut (a pre-drafted guess kept after the target disagreed) fails both checks."""
+"""Drafting overlapped with verification (specdec/spec_decode/overlap.py) keeps the output
+exactly the target's: token-identical under greedy decoding over many rejections and with
+continuous batching, the same distribution under sampling; and a lost draft costs no
+request. The wrong shortcut (a pre-drafted guess kept after the target disagreed) fails both checks."""
 
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ class WeightFormat:
     per_row: bool = False
     levels: int = 2            # per-row int8 levels: 2 (int8) or 1 (w8a8)
     q4k: bool = False          # Q4_K blocks through our kernel, the rest as int8
-    round_all_to_q4k: bool = False      # every projection in Q4_K blocks (int4)
+    round_all_to_q4k: bool = False  # every projection in Q4_K blocks, whatever the file (int4)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -143,7 +143,8 @@ TABLE: dict[str, FormatEntry] = {
     "q4k": FormatEntry(_per_row("q4k", 2, per_row=True, q4k=True),
                        needs=(_FBGEMM, _KQUANT)),
     "int4": FormatEntry(
-        _per_row("int4", 2, per_row=True, q4k=True, round_all_to_q4k=True), needs=(_FBGEMM, _KQUANT),
+        _per_row("int4", 2, per_row=True, q4k=True, round_all_to_q4k=True),
+        needs=(_FBGEMM, _KQUANT),
         draft_only="it rounds every projection to 4 bits, whatever the file stores: further "
                    "from the checkpoint than a target may be"),
 }
