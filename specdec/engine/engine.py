@@ -254,7 +254,8 @@ class Engine:
                 continue
             settled = self._settled(seq, res, run.settled)
             emitted += len(res.tokens) + (1 if settled else 0)
-            outputs.append(self._advance(seq, row, res, settled, row.seq_id in plan.free))
+            outputs.append(self._advance(seq, row, res, settled, row.seq_id in plan.free,
+                                         plan.heads.get(row.seq_id, 0)))
         return emitted
 
     def _graph_builds(self) -> tuple[int, ...]:
@@ -357,8 +358,8 @@ class Engine:
     def _suffix_may_lead(seq: Seq, overlapped: bool, probing: bool) -> bool:
         """A drafting row whose method and k the policy chose may take the suffix index's
         guesses instead of the draft's in a round where the index offers at least k of
-        them (a confident match: a copied file, a repeated answer): they cost no draft
-        forward. Not where the caller named the method or k, nor under overlap (the draft
+        them (a confident match: a copied file, a repeated answer), or first, the draft
+        extending them, where it offers fewer: they cost no draft forward. Not where the caller named the method or k, nor under overlap (the draft
         has already drafted this round during the last step), nor in a policy probe (the
         probe is there to time the draft's round)."""
         req = seq.req
@@ -368,10 +369,10 @@ class Engine:
 
     def _advance(self, seq: Seq, row, res: TargetResult,
                  settled: tuple[int, bool, bool] | None = None,
-                 free: bool = False) -> RequestOutput:
+                 free: bool = False, head: int = 0) -> RequestOutput:
         method = "suffix" if free else seq.req.method
         new, reason = apply_result(seq, row, res, self.proposers.get(method),
-                                   self.totals, self.eos_ids, settled, method)
+                                   self.totals, self.eos_ids, settled, method, head)
         if reason is not None:
             return self._finish(seq, reason, new)
         return make_output(seq, new, finished=False, reason=None)

@@ -15,10 +15,11 @@ from specdec.spec_decode.target_runner import TargetResult, TargetRow
 
 def apply_result(seq: Seq, row: TargetRow, res: TargetResult, proposer: Proposer | None,
                  totals: dict[str, SpecCounters], eos_ids: frozenset[int],
-                 settled: tuple[int, bool, bool] | None = None, method: str | None = None
-                 ) -> tuple[list[int], str | None]:
+                 settled: tuple[int, bool, bool] | None = None, method: str | None = None,
+                 head: int = 0) -> tuple[list[int], str | None]:
     """The tokens this row emits and why the request finishes (None: it goes on).
     method: whose guesses the row verified, when not the request's own (free guesses).
+    head: how many of its guesses were the suffix index's, the draft's extending them.
     settled (overlap): the deferred token, whether the draft offered a head guess for it,
     and whether that guess was kept; the head counts as the round's last guess."""
     req = seq.req
@@ -34,8 +35,12 @@ def apply_result(seq: Seq, row: TargetRow, res: TargetResult, proposer: Proposer
     elif proposer is not None and row.num_draft:
         proposer.accepted(req.request_id, seq.cached)
     own = method is None or method == req.method  # free guesses: their own counters
-    (seq.spec if own else seq.free).record_round(drafted, kept, len(new))
-    totals[(method or req.method) if drafted else "none"].record_round(drafted, kept, len(new))
+    if head and settled is None and drafted:
+        record_headed_round(seq, totals, min(head, drafted), drafted, kept, len(new))
+    else:
+        (seq.spec if own else seq.free).record_round(drafted, kept, len(new))
+        totals[(method or req.method) if drafted else "none"].record_round(drafted, kept,
+                                                                           len(new))
     new, reason = _cut(seq, new, eos_ids)
     if res.logprobs is not None:
         # Only the tokens kept after the cut; a settled overlap token never comes with
@@ -47,6 +52,21 @@ def apply_result(seq: Seq, row: TargetRow, res: TargetResult, proposer: Proposer
     if new and seq.first_token is None:
         seq.first_token = time.monotonic()
     return new, reason
+
+
+def record_headed_round(seq: Seq, totals: dict[str, SpecCounters], head: int,
+                         drafted: int, kept: int, emitted: int) -> None:
+    """A round whose first `head` guesses were the suffix index's and the rest the
+    draft's: each proposer's record gets its own guesses, the draft's only where they were
+    tested (a rejection among the index's leaves them untried, no evidence either way)."""
+    if kept < head or drafted == head:  # (the draft gave nothing: a round the index led)
+        seq.free.record_round(head, kept, emitted)
+        totals["suffix"].record_round(head, kept, emitted)
+        return
+    seq.free.record_round(head, head, head)
+    totals["suffix"].record_round(head, head, head)
+    seq.spec.record_round(drafted - head, kept - head, emitted - head)
+    totals[seq.req.method].record_round(drafted - head, kept - head, emitted - head)
 
 
 def _cut(seq: Seq, new: list[int], eos_ids: frozenset[int]) -> tuple[list[int], str | None]:

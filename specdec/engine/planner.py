@@ -13,6 +13,8 @@ import dataclasses
 import logging
 import time
 
+import torch
+
 from specdec.engine.state import EngineLimits, Seq
 from specdec.model.step.logits_process import history_of, needs_history
 from specdec.spec_decode.counters import SpecCounters
@@ -49,6 +51,9 @@ class Plan:
     windows: list[ProposeInput]    # what the draft drafts during the target's step
     free: set[str] = dataclasses.field(default_factory=set)  # rows verifying free guesses
     led: set[str] = dataclasses.field(default_factory=set)  # drafting rows the index led
+    # Drafting rows whose first guesses are the index's, the draft's extending them: how
+    # many of each row's guesses are the index's.
+    heads: dict[str, int] = dataclasses.field(default_factory=dict)
     overlapped: bool = False       # the draft drafts during the target's step
     drafting: Drafting = dataclasses.field(default_factory=Drafting)
 
@@ -73,10 +78,12 @@ def plan_step(decode: list[Seq], prefill: list[Seq], overlapped: bool,
     t0 = time.perf_counter()
     work.plan_s = t0 - t_plan
     by_id = {seq.req.request_id: seq for seq in decode}
-    led = _suffix_leads(asks, proposers.get("suffix"), by_id)
+    led, heads = _suffix_leads(asks, proposers.get("suffix"), by_id)
     _mark_draft_seen(asks.by_method.get("draft", []), by_id, work)
     proposals, failed = _propose(asks.by_method, proposers, work)
     proposals.update(led)
+    for rid, head in heads.items():
+        proposals[rid] = head_then_draft(head, proposals.get(rid))
     free = _free_guesses(asks.free, proposers.get("suffix"), proposals) | set(led)
     work.draft_s = time.perf_counter() - t0
     rows, num_draft = _decode_rows(decode, asks.predrafted, proposals, failed, totals)
@@ -92,7 +99,8 @@ def plan_step(decode: list[Seq], prefill: list[Seq], overlapped: bool,
             for i in catchups:
                 by_id[i.seq_id].draft_seen = len(i.context) - i.catchup
     return Plan(rows=rows, num_draft=num_draft, windows=asks.windows, free=free, led=set(led),
-                overlapped=overlapped, drafting=work)
+                heads={rid: len(h) for rid, h in heads.items()}, overlapped=overlapped,
+                drafting=work)
 
 
 def attach_histories(rows: list[TargetRow], running: dict[str, Seq], eos_ids) -> None:
@@ -129,26 +137,58 @@ def _free_guesses(asks: list[ProposeInput], suffix, proposals: dict[str, Proposa
     return free
 
 
-def _suffix_leads(asks: _Asks, suffix, by_id: dict[str, Seq]) -> dict[str, Proposal]:
-    """Drafting rows for which the suffix index offers at least the row's k confident
-    guesses: they verify those this round (free guesses, counted apart from the draft's
-    rounds) and the draft is not asked for them."""
+def _suffix_leads(asks: _Asks, suffix, by_id: dict[str, Seq]
+                  ) -> tuple[dict[str, Proposal], dict[str, list[int]]]:
+    """Drafting rows for which the suffix index offers confident guesses. At least the
+    row's k: the row verifies those this round (free guesses, counted apart from the
+    draft's rounds) and the draft is not asked. Fewer: they are the round's first guesses
+    and the draft extends them from their end (its k less theirs), so each costs no draft
+    forward (the draft takes them in with its first). Returns (led rows' proposals, the
+    heads the draft extends)."""
     if not asks.lead or suffix is None:
-        return {}
+        return {}, {}
     try:
         got = suffix.propose_confident(asks.lead)
     except Exception:  # guesses are an optimization: never a request's failure
         log.exception("suffix guesses failed; drafting as planned")
-        return {}
-    led = {}
+        return {}, {}
+    led, heads = {}, {}
     for i, p in zip(asks.lead, got, strict=True):
         seq = by_id[i.seq_id]
         if len(p.token_ids) >= seq.k_now:
             led[i.seq_id] = p
             seq.k_now = 0  # this round: the index's guesses, up to k_free of them
-    if led:
-        asks.by_method["draft"] = [i for i in asks.by_method["draft"] if i.seq_id not in led]
-    return led
+        elif p.token_ids:
+            heads[i.seq_id] = list(p.token_ids)
+    if led or heads:
+        drafting = []
+        for i in asks.by_method["draft"]:
+            head = heads.get(i.seq_id)
+            if i.seq_id in led:
+                continue
+            if head:
+                i = dataclasses.replace(i, context=i.context + head, k=i.k - len(head))
+            drafting.append(i)
+        asks.by_method["draft"] = drafting
+    return led, heads
+
+
+def head_then_draft(head: list[int], drafted: Proposal | None) -> Proposal:
+    """The index's guesses, then the draft's drawn after them: q one-hot at each of the
+    index's (a deterministic guess), the draft's own q after. A draft that failed or gave
+    nothing leaves the index's guesses alone."""
+    if drafted is None or not drafted.token_ids:
+        return Proposal(list(head))
+    ids = list(head) + list(drafted.token_ids)
+    if drafted.q_probs is None:
+        return Proposal(ids)
+    n, width = len(drafted.token_ids), drafted.q_ids.shape[-1]
+    q_ids = drafted.q_ids.new_zeros(len(head), width)
+    q_ids[:, 0] = torch.tensor(head, dtype=q_ids.dtype)
+    q_probs = drafted.q_probs.new_zeros(len(head), width)
+    q_probs[:, 0] = 1.0
+    return Proposal(ids, torch.cat([q_ids, drafted.q_ids[:n]]),
+                    torch.cat([q_probs, drafted.q_probs[:n]]))
 
 
 def _mark_draft_seen(drafting: list[ProposeInput], by_id: dict[str, Seq],

@@ -133,7 +133,8 @@ class SuffixSpec(BaseModel):
         "to this many of the index's guesses where it matches 4+ tokens: free guesses, no "
         "forward to make them; a request whose free guesses mostly fail stops getting "
         "them. A row drafting by the policy's choice takes them instead of the draft's "
-        "where the index offers at least its k. 0: off."))
+        "where the index offers at least its k, and first, the draft extending them, "
+        "where it offers fewer. 0: off."))
 
     @model_validator(mode="after")
     def _check(self) -> SuffixSpec:

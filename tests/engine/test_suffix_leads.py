@@ -1,13 +1,16 @@
 """A drafting row whose method and k the policy chose takes the suffix index's guesses
 instead of the draft's in a round where the index offers at least k confident ones (a
-copied file, a repeated answer): free, no draft forward. Exact like any guess: greedy
+copied file, a repeated answer): free, no draft forward. Where it offers fewer, they lead
+the round and the draft extends them. Exact like any guess: greedy
 output equals plain token for token, sampled output keeps the target's distribution; a
 request that named its method or k keeps the draft every round."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
+import torch
 from engine_helpers import (
     BIG_QUEUE,
     contingency_pvalue,
@@ -18,7 +21,12 @@ from engine_helpers import (
     random_prompts,
 )
 
+from specdec.engine.output import record_headed_round
+from specdec.engine.planner import head_then_draft
 from specdec.engine.request import Request
+from specdec.engine.state import Seq
+from specdec.spec_decode.counters import SpecCounters
+from specdec.spec_decode.proposal import Proposal
 from specdec.spec_decode.speculation import Speculation
 from specdec.spec_decode.suffix import SuffixProposer
 
@@ -145,3 +153,90 @@ def test_scoped_per_user_another_tenants_repeat_is_drafted_and_says_the_same(
     # (its own context only), drafted as hers was; her own repeat is guessed from the index.
     assert bob.free_accepted <= first.free_accepted + 2, (bob, first)
     assert alice.free_accepted >= 20 and alice.spec.rounds < bob.spec.rounds / 2, (alice, bob)
+
+
+def _headed_engine(target, draft, slots=8, offered=2, k=4):
+    """The index offers at most `offered` guesses where the policy's k is `k`: a round it
+    leads takes its guesses first and the draft's after them."""
+    engine = make_engine(target, draft, slots=slots, limits=BIG_QUEUE,
+                         suffix=SuffixProposer(min_count=1, plain_rows_k=offered))
+    engine.choose_k = lambda eng, req, spec, running, **_: k
+    return engine
+
+
+def test_the_draft_extends_fewer_guesses_than_k_and_output_says_what_plain_says(
+        tiny_llama, tiny_llama_far_draft):
+    prompt = random_prompts((12,), seed=46)[0]
+    expected = plain_reference(tiny_llama, [prompt], 40)[0]
+    engine = _headed_engine(tiny_llama, tiny_llama_far_draft)
+    first = engine.run([Request("first", prompt, greedy(40), "draft", 4)])["first"]
+    before = engine.steps
+    asked: list[int] = []
+    engine.on_step.append(lambda rec: asked.append(rec.draft_k))
+    again = engine.run([Request("again", prompt, greedy(40), "draft", 4)])["again"]
+    assert first.token_ids == expected and again.token_ids == expected
+    # The second finds its answer in the index two guesses at a time: the draft is asked
+    # only for the other two of the round's four, and both proposers' guesses are kept.
+    assert engine.steps > before and 2 in asked and again.free_accepted >= 10, (asked, again)
+    assert again.spec.accepted > 0 and engine.totals["draft"].rounds > first.spec.rounds
+
+
+def test_rows_of_a_batch_headed_by_the_index_say_what_plain_says(tiny_llama, tiny_llama_draft):
+    spans = random_prompts((9, 7), seed=47)
+    prompts = [spans[0] + spans[1], spans[1] + spans[0] + spans[1], spans[0] + spans[1],
+               spans[1] + spans[0]]
+    expected = plain_reference(tiny_llama, prompts, 32)
+    engine = _headed_engine(tiny_llama, tiny_llama_draft, slots=2, offered=1, k=3)
+    out = engine.run([Request(f"r{i}", p, greedy(32), "draft", 3)
+                      for i, p in enumerate(prompts)])
+    for i, e in enumerate(expected):
+        assert out[f"r{i}"].token_ids == e, f"request {i}"
+    assert engine.totals["suffix"].rounds > 0 and engine.totals["draft"].rounds > 0
+
+
+def test_sampled_rows_headed_by_the_index_keep_the_target_distribution(tiny_llama,
+                                                                       tiny_llama_far_draft):
+    """One guess the index's (one-hot q) and one the draft's, drawn after it (its own q):
+    the first three tokens keep the target's distribution, although the index, fed the
+    earlier requests' sampled replies, often guesses wrong. (With the draft's q rows put
+    before the index's, so each guess is verified against another position's q, this
+    fails.)"""
+    n = 3000
+    counts, engine = first_three_counts(
+        lambda: _headed_engine(tiny_llama, tiny_llama_far_draft, offered=1, k=2),
+        "draft", 2, n, 1.0)
+    plain_counts, _ = first_three_counts(lambda: make_engine(tiny_llama, limits=BIG_QUEUE),
+                                         "none", 0, n, 1.0)
+    headed, drafted = engine.totals["suffix"], engine.totals["draft"]
+    assert headed.drafted > n // 4 and 0 < headed.accepted < headed.drafted, headed
+    assert drafted.drafted > n // 8 and 0 < drafted.accepted < drafted.drafted, drafted
+    assert contingency_pvalue(counts, plain_counts) > 1e-3
+
+
+def test_a_headed_proposal_puts_one_hot_q_at_the_indexs_guesses_and_the_drafts_after():
+    drafted = Proposal([7, 9], torch.tensor([[7, 3, 1], [9, 4, 2]]),
+                       torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.4, 0.0]]))
+    p = head_then_draft([11, 12], drafted)
+    assert p.token_ids == [11, 12, 7, 9]
+    assert p.q_ids[:2, 0].tolist() == [11, 12] and p.q_probs[:2].sum(-1).tolist() == [1, 1]
+    assert p.q_probs[:2, 0].tolist() == [1, 1]
+    assert torch.equal(p.q_ids[2:], drafted.q_ids) and torch.equal(p.q_probs[2:], drafted.q_probs)
+    assert head_then_draft([11], Proposal([7])).q_probs is None  # all one-hot
+    assert head_then_draft([11], None).token_ids == [11]  # the draft failed: the index's
+
+
+def test_a_headed_rounds_guesses_count_for_their_own_proposers():
+    def headed(kept, drafted=4, head=2):
+        seq = Seq(Request("r", [1, 2], greedy(8), "draft", 4), 0, [1, 2], 2)
+        totals = collections.defaultdict(SpecCounters)
+        record_headed_round(seq, totals, head, drafted, kept, kept + 1)
+        return seq, totals
+
+    seq, totals = headed(kept=3)  # both of the index's kept, one of the draft's two
+    assert (seq.free.drafted, seq.free.accepted) == (2, 2)
+    assert (seq.spec.drafted, seq.spec.accepted, seq.spec.rejections) == (2, 1, 1)
+    assert totals["suffix"].accepted == 2 and totals["draft"].accepted == 1
+    assert seq.free.emitted + seq.spec.emitted == 4
+    seq, totals = headed(kept=1)  # rejected among the index's: the draft's never tried
+    assert (seq.free.drafted, seq.free.accepted, seq.spec.rounds) == (2, 1, 0)
+    assert totals["draft"].rounds == 0
