@@ -59,7 +59,7 @@ def record_headed_round(seq: Seq, totals: dict[str, SpecCounters], head: int,
     """A round whose first `head` guesses were the suffix index's and the rest the
     draft's: each proposer's record gets its own guesses, the draft's only where they were
     tested (a rejection among the index's leaves them untried, no evidence either way)."""
-    if kept < head or drafted == head:  # (the draft gave nothing: a round the index led)
+    if kept < head or drafted == head:  # (nothing of the draft's verified: the index led)
         seq.free.record_round(head, kept, emitted)
         totals["suffix"].record_round(head, kept, emitted)
         return

@@ -158,7 +158,7 @@ def _suffix_leads(asks: _Asks, suffix, by_id: dict[str, Seq]
         if len(p.token_ids) >= seq.k_now:
             led[i.seq_id] = p
             seq.k_now = 0  # this round: the index's guesses, up to k_free of them
-        elif p.token_ids:
+        elif p.token_ids and _head_pays(seq):
             heads[i.seq_id] = list(p.token_ids)
     if led or heads:
         drafting = []
@@ -173,6 +173,19 @@ def _suffix_leads(asks: _Asks, suffix, by_id: dict[str, Seq]
     return led, heads
 
 
+def _head_pays(seq: Seq) -> bool:
+    """Whether the index's guesses may take the first places of this row's draft round: an
+    index guess costs no forward where a draft guess costs c of a target step, so it pays
+    where it is kept at least as often as the draft's (each proposer's own record for this
+    request, once both have been tried 8 times; until then it is tried). For a sampled row
+    a one-hot guess is kept with probability p(x), a draft's with the overlap of p and q:
+    the records tell which is the higher here."""
+    free, own = seq.free, seq.spec
+    if free.accepted + free.rejections < 8 or own.accepted + own.rejections < 8:
+        return True
+    return free.alpha_estimate >= own.alpha_estimate
+
+
 def head_then_draft(head: list[int], drafted: Proposal | None) -> Proposal:
     """The index's guesses, then the draft's drawn after them: q one-hot at each of the
     index's (a deterministic guess), the draft's own q after. A draft that failed or gave
@@ -184,7 +197,7 @@ def head_then_draft(head: list[int], drafted: Proposal | None) -> Proposal:
         return Proposal(ids)
     n, width = len(drafted.token_ids), drafted.q_ids.shape[-1]
     q_ids = drafted.q_ids.new_zeros(len(head), width)
-    q_ids[:, 0] = torch.tensor(head, dtype=q_ids.dtype)
+    q_ids[:, 0] = q_ids.new_tensor(head)
     q_probs = drafted.q_probs.new_zeros(len(head), width)
     q_probs[:, 0] = 1.0
     return Proposal(ids, torch.cat([q_ids, drafted.q_ids[:n]]),

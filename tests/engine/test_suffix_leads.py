@@ -22,7 +22,7 @@ from engine_helpers import (
 )
 
 from specdec.engine.output import record_headed_round
-from specdec.engine.planner import head_then_draft
+from specdec.engine.planner import _head_pays, head_then_draft
 from specdec.engine.request import Request
 from specdec.engine.state import Seq
 from specdec.spec_decode.counters import SpecCounters
@@ -240,3 +240,17 @@ def test_a_headed_rounds_guesses_count_for_their_own_proposers():
     seq, totals = headed(kept=1)  # rejected among the index's: the draft's never tried
     assert (seq.free.drafted, seq.free.accepted, seq.spec.rounds) == (2, 1, 0)
     assert totals["draft"].rounds == 0
+
+
+def test_the_index_heads_a_draft_round_only_while_it_is_kept_as_often_as_the_draft():
+    seq = Seq(Request("r", [1, 2], greedy(8), "draft", 4), 0, [1, 2], 2)
+    assert _head_pays(seq)  # untried: tried
+    for _ in range(4):
+        seq.spec.record_round(3, 3, 4)  # the draft: 12 of 12 kept
+        seq.free.record_round(2, 1, 2)  # the index: 4 of 8 tried kept
+    assert not _head_pays(seq)
+    for _ in range(40):
+        seq.free.record_round(2, 2, 2)
+    assert not _head_pays(seq)  # 84 of 88: still under the draft's 12 of 12
+    seq.spec.record_round(3, 0, 1)
+    assert _head_pays(seq)  # 12 of 13 against 84 of 88
