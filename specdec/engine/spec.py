@@ -128,7 +128,9 @@ class SuffixSpec(BaseModel):
     min_count: int = Field(2, ge=1, description=(
         "Times in a row a continuation of a short n-gram (< 4 tokens) must have followed it "
         "before it is guessed."))
-    plain_rows_k: int = Field(6, ge=0, le=16, description=(
+    # 12, not 6: a copied file's rounds verify up to 13 tokens for ~1.9 plain steps here
+    # (bench repeat: the follow-up 58 tokens/s against 49 at 6; specdec_bench/RESULTS.md).
+    plain_rows_k: int = Field(12, ge=0, le=16, description=(
         "Rows decoding plainly (the policy's choice, not a request's `mode: off`) verify up "
         "to this many of the index's guesses where it matches 4+ tokens: free guesses, no "
         "forward to make them; a request whose free guesses mostly fail stops getting "
