@@ -342,13 +342,17 @@ class Engine:
     def _k_free(self, seq: Seq, pending: int) -> int:
         """Free guesses for a row decoding plainly: the suffix index's, when it offers
         them (suffix.plain_rows), unless the request asked for plain decoding or its free
-        guesses have mostly failed (each costs the target a verified position)."""
+        guesses have mostly failed (under half of those tested kept: each costs the target a
+        verified position)."""
         suffix = self.proposers.get("suffix")
         k = getattr(suffix, "plain_rows_k", 0) if suffix is not None else 0
         req, free = seq.req, seq.free
         if not k or (req.speculation.pins_k and req.k == 0) or not suffix.available:
             return 0
-        if free.drafted >= 8 and free.accepted < 0.5 * free.drafted:
+        # Counted over the guesses tested (each round's kept ones and its first rejection),
+        # not all verified: one round of 12 with its 4th rejected is 3 of 4, not 3 of 12.
+        tested = free.accepted + free.rejections
+        if tested >= 8 and free.accepted < 0.5 * tested:
             return 0
         remaining = req.params.max_tokens - seq.generated
         room = self.target.max_len - seq.cached - pending

@@ -254,3 +254,21 @@ def test_the_index_heads_a_draft_round_only_while_it_is_kept_as_often_as_the_dra
     assert not _head_pays(seq)  # 84 of 88: still under the draft's 12 of 12
     seq.spec.record_round(3, 0, 1)
     assert _head_pays(seq)  # 12 of 13 against 84 of 88
+
+
+def test_free_guesses_stop_when_under_half_of_those_tested_are_kept(tiny_llama):
+    engine = make_engine(tiny_llama, limits=BIG_QUEUE,
+                         suffix=SuffixProposer(min_count=1, plain_rows_k=12))
+    seq = Seq(Request("r", [1, 2], greedy(64), "none", 0), 0, [1, 2], 2)
+    assert engine._k_free(seq, 1) == 12
+    for _ in range(3):  # 12 guesses a round, the 4th rejected: 9 of 12 tested kept
+        seq.free.record_round(12, 3, 4)
+    assert engine._k_free(seq, 1) == 12  # (3 of 12 verified: not a failing index)
+    for _ in range(4):
+        seq.free.record_round(12, 0, 1)  # rejected at once: 9 of 16 tested
+    assert engine._k_free(seq, 1) == 12
+    seq.free.record_round(12, 0, 1)
+    seq.free.record_round(12, 0, 1)  # 9 of 18: half
+    assert engine._k_free(seq, 1) == 12
+    seq.free.record_round(12, 0, 1)  # 9 of 19: under half
+    assert engine._k_free(seq, 1) == 0
