@@ -363,9 +363,10 @@ class Engine:
         """A drafting row whose method and k the policy chose may take the suffix index's
         guesses instead of the draft's in a round where the index offers at least k of
         them (a confident match: a copied file, a repeated answer), or first, the draft
-        extending them, where it offers fewer: they cost no draft forward. Not where the caller named the method or k, nor under overlap (the draft
-        has already drafted this round during the last step), nor in a policy probe (the
-        probe is there to time the draft's round)."""
+        extending them, where it offers fewer: they cost no draft forward. Not where the
+        caller named the method or k, nor under overlap (the draft has already drafted this
+        round during the last step), nor in a policy probe (the probe is there to time the
+        draft's round)."""
         req = seq.req
         return req.method == "draft" and not req.speculation.pins_method \
             and not req.speculation.pins_k \
