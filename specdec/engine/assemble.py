@@ -86,7 +86,7 @@ def check_spec(spec: EngineSpec, target_path: Path, draft_path: Path | None) -> 
             ShardSpec(0, group.tp).check(cfg)
         except ValueError as exc:
             raise ConfigError(f"{field}.tp: {exc}") from None
-        limit = cfg.sliding_window or cfg.max_position_embeddings
+        limit = cfg.context_limit
         if spec.runtime.max_len > limit:
             raise ConfigError(f"runtime.max_len: {spec.runtime.max_len} exceeds what the "
                               f"{field} model supports ({limit} tokens)")

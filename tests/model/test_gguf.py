@@ -153,7 +153,7 @@ def test_an_unsupported_architecture_is_refused_by_name(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(UnsupportedModel, match=r"gpt2\.gguf: GGUF architecture 'gpt2' is not "
-                                               r"supported; supported: llama, qwen2, mistral"):
+                                               r"supported; supported: llama, mistral, qwen2, qwen3, gemma3, phi3"):
         DecoderConfig.from_checkpoint(path)
 
 

@@ -100,7 +100,7 @@ def test_bf16_runs_and_tracks_fp32(tiny_llama):
 
 
 def test_unsupported_architecture_is_named():
-    with pytest.raises(UnsupportedModel, match="gpt2.*supported architectures: llama, qwen2, mistral"):
+    with pytest.raises(UnsupportedModel, match="gpt2.*supported architectures: llama, mistral, qwen2, qwen3, gemma3, phi3"):
         DecoderConfig.from_dict({"model_type": "gpt2"})
 
 

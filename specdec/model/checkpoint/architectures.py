@@ -1,6 +1,7 @@
-"""The model families the decoder implements, and the error for any other."""
+"""The model families the decoder implements (specdec.model.checkpoint.family), and the
+error for any other."""
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+from specdec.model.checkpoint.family import SUPPORTED_ARCHITECTURES  # noqa: F401
 
 
 class UnsupportedModel(ValueError):

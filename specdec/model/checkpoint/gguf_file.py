@@ -8,8 +8,6 @@ Q4_K_M file loads without the whole model ever existing in fp16 or fp32.
 
 from __future__ import annotations
 
-import functools
-import re
 import warnings
 from pathlib import Path
 
@@ -17,33 +15,25 @@ import numpy as np
 import torch
 
 from specdec.model.checkpoint import kquant_blocks
-from specdec.model.checkpoint.architectures import SUPPORTED_ARCHITECTURES, UnsupportedModel
-from specdec.model.checkpoint.gguf_header import GGUFFormatError, GGUFHeader, plain
+from specdec.model.checkpoint.family import (
+    FAMILIES,
+    GGUF_GLOBAL_NAMES,
+    GGUF_LAYER_NAMES,
+    LAYER,
+    fused_part,
+)
+from specdec.model.checkpoint.gguf_config import config_dict, reader
+from specdec.model.checkpoint.gguf_header import GGUFFormatError, plain
 from specdec.model.checkpoint.gguf_quants import dequantize, type_name
-
-# Hugging Face name (after "model.layers.{i}.") -> GGUF name (after "blk.{i}.").
-_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}
-_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
-                 "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+?)(\.weight|\.bias)?$")
 
 
 def gguf_name(hf_name: str) -> str:
-    if hf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[hf_name]
-    m = _LAYER.match(hf_name)
-    if m:
-        layer, rest, suffix = m.group(1), m.group(2), m.group(3) or ""
-        key = rest + suffix if rest + suffix in _LAYER_NAMES else rest
-        if key in _LAYER_NAMES:
-            mapped = _LAYER_NAMES[key]
-            return f"blk.{layer}.{mapped}" + ("" if key == rest + suffix else suffix)
+    """The GGUF name of a canonical weight name (specdec.model.checkpoint.family)."""
+    if hf_name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[hf_name]
+    m = LAYER.match(hf_name)
+    if m and m.group(2) in GGUF_LAYER_NAMES:
+        return f"blk.{m.group(1)}.{GGUF_LAYER_NAMES[m.group(2)]}{m.group(3) or ''}"
     raise KeyError(f"no GGUF name for tensor {hf_name!r}")
 
 
@@ -64,85 +54,10 @@ def gguf_in(path: str | Path) -> Path | None:
     return None
 
 
-@functools.lru_cache(maxsize=8)
-def _reader(path: str) -> GGUFHeader:
-    return GGUFHeader(path)
-
-
-def _field(reader: GGUFHeader, key: str, default=None):
-    value = reader.fields.get(key)
-    return default if value is None else plain(value)
-
-
 def metadata(path: str | Path, key: str, default=None):
     """One metadata value of a GGUF file (e.g. "tokenizer.chat_template")."""
-    return _field(_reader(str(path)), key, default)
-
-
-def _number(r: GGUFHeader, key: str, default=None, kind=int, low=1):
-    """A numeric metadata value, checked: present (or defaulted), a number, >= low."""
-    value = r.fields.get(key)
-    if value is None:
-        if default is None:
-            raise GGUFFormatError(f"{r.path.name}: metadata {key!r} is missing")
-        return default
-    if isinstance(value, (bool, str, list, np.ndarray)) or not np.isscalar(value):
-        raise GGUFFormatError(f"{r.path.name}: metadata {key!r} is {value!r}, not a number")
-    value = kind(value)
-    if not value >= low:  # (NaN fails too)
-        raise GGUFFormatError(f"{r.path.name}: metadata {key!r} is {value}, below {low}")
-    return value
-
-
-def config_dict(path: str | Path) -> dict:
-    """The metadata as a Hugging Face config.json dict (what DecoderConfig reads)."""
-    r = _reader(str(path))
-    arch = _field(r, "general.architecture", "?")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModel(
-            f"{Path(path).name}: GGUF architecture {arch!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    scaling = _field(r, f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise UnsupportedModel(f"{Path(path).name}: rope scaling {scaling!r} is not "
-                               "supported (only none)")
-    names = {t.name for t in r.tensors}
-    heads = _number(r, f"{arch}.attention.head_count")
-    hidden = _number(r, f"{arch}.embedding_length")
-    heads_kv = _number(r, f"{arch}.attention.head_count_kv", heads)
-    if heads % heads_kv:
-        raise GGUFFormatError(f"{Path(path).name}: {heads} attention heads over {heads_kv} "
-                              "kv heads")
-    tokens = r.fields.get("tokenizer.ggml.tokens")
-    embd = next((t for t in r.tensors if t.name == "token_embd.weight"), None)
-    if embd is None or len(embd.shape) != 2:
-        raise GGUFFormatError(f"{Path(path).name}: no 2-d token_embd.weight tensor")
-    cfg = {
-        "model_type": arch,
-        "vocab_size": int(embd.shape[1]) if tokens is None else len(tokens),
-        "hidden_size": hidden,
-        "intermediate_size": _number(r, f"{arch}.feed_forward_length"),
-        "num_hidden_layers": _number(r, f"{arch}.block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": heads_kv,
-        "head_dim": _number(r, f"{arch}.attention.key_length", max(hidden // heads, 1)),
-        "rms_norm_eps": _number(r, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, float,
-                                0.0),
-        "rope_theta": _number(r, f"{arch}.rope.freq_base", 10000.0, float, 1e-6),
-        "max_position_embeddings": _number(r, f"{arch}.context_length", 4096),
-        "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": "blk.0.attn_q.bias" in names and arch != "qwen2",
-        "bos_token_id": _field(r, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(r, "tokenizer.ggml.eos_token_id"),
-    }
-    if cfg["vocab_size"] < 1 or cfg["vocab_size"] != int(embd.shape[1]):
-        raise GGUFFormatError(f"{Path(path).name}: {cfg['vocab_size']} tokenizer tokens but "
-                              f"token_embd.weight has {embd.shape[1]} rows")
-    window = _field(r, f"{arch}.attention.sliding_window")
-    if window:
-        cfg["sliding_window"] = int(window)
-        cfg["use_sliding_window"] = True
-    return cfg
+    value = reader(str(path)).fields.get(key)
+    return default if value is None else plain(value)
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -156,26 +71,32 @@ def expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     """Each tensor the decoder reads, by GGUF name, in GGUF order (the fastest-varying
     dimension first), as the config says it must be."""
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    q = cfg["num_attention_heads"] * cfg["head_dim"]
-    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    D = cfg["head_dim"]
+    q = cfg["num_attention_heads"] * D
+    kv = cfg["num_key_value_heads"] * D
     out = {"token_embd.weight": (h, v), "output.weight": (h, v), "output_norm.weight": (h,)}
     for i in range(cfg["num_hidden_layers"]):
         b = f"blk.{i}."
         out.update({b + "attn_norm.weight": (h,), b + "ffn_norm.weight": (h,),
+                    b + "post_attention_norm.weight": (h,), b + "post_ffw_norm.weight": (h,),
+                    b + "attn_q_norm.weight": (D,), b + "attn_k_norm.weight": (D,),
                     b + "attn_q.weight": (h, q), b + "attn_k.weight": (h, kv),
                     b + "attn_v.weight": (h, kv), b + "attn_output.weight": (q, h),
+                    b + "attn_qkv.weight": (h, q + 2 * kv), b + "attn_output.bias": (h,),
                     b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,),
-                    b + "ffn_gate.weight": (h, inter), b + "ffn_up.weight": (h, inter),
-                    b + "ffn_down.weight": (inter, h)})
+                    b + "ffn_gate.weight": (h, inter), b + "ffn_down.weight": (inter, h),
+                    b + "ffn_up.weight": (h, 2 * inter if cfg["model_type"] == "phi3"
+                                          else inter)})
     return out
 
 
 class GGUFCheckpoint:
-    """The same interface as specdec.model.checkpoint.weights.CheckpointReader, over one GGUF file."""
+    """The same interface as specdec.model.checkpoint.weights.CheckpointReader, over one
+    GGUF file: weights asked for by canonical name (specdec.model.checkpoint.family)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._r = _reader(str(self.path))
+        self._r = reader(str(self.path))
         self._tensors = {t.name: t for t in self._r.tensors}
         cfg = config_dict(self.path)
         # Every tensor the decoder will read has the shape the config says (a wrong one
@@ -189,37 +110,62 @@ class GGUFCheckpoint:
                     f"{cfg['num_attention_heads']}/{cfg['num_key_value_heads']} heads of "
                     f"{cfg['head_dim']}, MLP width {cfg['intermediate_size']} and "
                     f"{cfg['vocab_size']} tokens needs {want}")
+        self.family = FAMILIES[cfg["model_type"]]
         self._permute = {}
-        if cfg["model_type"] in ("llama", "mistral"):
+        if self.family.gguf_permute_qk:
             self._permute = {"attn_q": cfg["num_attention_heads"],
                              "attn_k": cfg["num_key_value_heads"]}
+        D = cfg["head_dim"]
+        self._parts = (cfg["num_attention_heads"] * D, cfg["num_key_value_heads"] * D,
+                       cfg["intermediate_size"])
+
+    def _locate(self, name: str) -> tuple[str, int | None, int]:
+        """(the GGUF tensor, first row, rows) holding a canonical weight; rows None: all."""
+        m = LAYER.match(name)
+        fused = m and ((self.family.fused_qkv and m.group(2).startswith("self_attn.")) or
+                       (self.family.fused_gate_up and m.group(2).startswith("mlp.")))
+        part = fused_part(m.group(2), *self._parts) if fused else None
+        if part is None:
+            return gguf_name(name), None, 0
+        role, first, rows = part
+        key = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}[role]
+        return f"blk.{m.group(1)}.{key}{m.group(3) or ''}", first, rows
 
     def has(self, name: str) -> bool:
         try:
-            return gguf_name(name) in self._tensors
+            return self._locate(name)[0] in self._tensors
         except KeyError:
             return False
 
     def nbytes(self, name: str) -> int:
-        return int(self._tensors[gguf_name(name)].n_bytes)
+        key, first, rows = self._locate(name)
+        t = self._tensors[key]
+        return int(t.n_bytes) if first is None else int(t.n_bytes) * rows // int(t.shape[-1])
 
     def quant_type(self, name: str) -> str:
-        return type_name(int(self._tensors[gguf_name(name)].tensor_type))
+        return type_name(int(self._tensors[self._locate(name)[0]].tensor_type))
 
     def _raw(self, name: str):
-        key = gguf_name(name)
+        """(GGUF name, tensor, shape, bytes as [rows, bytes a row], a 1-d part to cut after
+        reading): a fused tensor's part is its rows."""
+        key, first, rows = self._locate(name)
         t = self._tensors.get(key)
         if t is None:
             raise GGUFFormatError(f"{self.path.name} has no tensor {key!r} (for {name!r})")
         shape = tuple(int(x) for x in reversed(t.shape))
         raw = np.asarray(t.data).view(np.uint8).reshape(shape[0] if len(shape) > 1 else 1, -1)
-        return key, t, shape, raw
+        cut = None
+        if first is not None and len(shape) > 1:
+            raw, shape = raw[first:first + rows], (rows, *shape[1:])
+        elif first is not None:
+            cut = range(first, first + rows)
+        return key, t, shape, raw, cut
 
     def stored_blocks(self, name: str, rows: range | None = None, cols: range | None = None):
         """What the q4k format keeps of a weight (specdec.model.formats.kquant_choice.kind): its
         Q4_K or Q6_K blocks (the rows and whole blocks of columns asked for), "int8" for a
         tensor stored in another quantized type, or None for float storage (F32/F16/BF16)."""
-        key, t, shape, raw = self._raw(name)
+        key, t, shape, raw, _ = self._raw(name)
         kind = type_name(int(t.tensor_type))
         if kind in ("F32", "F16", "BF16"):
             return None
@@ -241,7 +187,7 @@ class GGUFCheckpoint:
     def block_table(self, name: str) -> tuple[torch.Tensor, int] | None:
         """A tensor's quantized bytes as [rows, bytes a row] uint8 (a copy in this process's
         memory) and its ggml type, or None where it is stored as floats or reordered."""
-        key, t, shape, raw = self._raw(name)
+        key, t, shape, raw, _ = self._raw(name)
         if type_name(int(t.tensor_type)) in ("F32", "F16", "BF16") or \
                 self._permute.get(key.split(".")[-2]) is not None:
             return None
@@ -256,7 +202,7 @@ class GGUFCheckpoint:
 
     def get(self, name: str, rows: range | None = None, cols: range | None = None,
             dtype: torch.dtype | None = None) -> torch.Tensor:
-        key, t, shape, raw = self._raw(name)
+        key, t, shape, raw, cut = self._raw(name)
         heads = self._permute.get(key.split(".")[-2])
         if rows is not None and heads is None and len(shape) > 1:
             # Blocks run along a row, so a row slice only dequantizes the rows it keeps.
@@ -266,6 +212,8 @@ class GGUFCheckpoint:
             warnings.simplefilter("ignore", UserWarning)
             data = torch.from_numpy(np.ascontiguousarray(raw))
         w = dequantize(data, int(t.tensor_type), shape, key)
+        if cut is not None:
+            w = w[cut.start:cut.stop]
         if heads is not None:
             w = _unpermute(w, heads)
         if rows is not None:

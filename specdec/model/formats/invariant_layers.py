@@ -1,6 +1,7 @@
-"""The layers of a batch-invariant model (q4k, int4, int8, w8a8 on a CPU) through our
-row-parallel kernels: RMSNorm fused with the residual add before it (kernels/row_ops.cpp),
-the rotary embedding, the K/V write and every token's attention in one call
+"""The ops of a batch-invariant model (q4k, int4, int8, w8a8 on a CPU) through our row
+kernels, for the block every path runs (specdec.model.step.block): RMSNorm fused with the
+residual add before it (kernels/row_ops.cpp), the rotary embedding, the K/V write and every
+token's attention in one call where a layer rotates every dimension and has no window
 (kernels/token_attention.cpp), the MLP's activation row by row. A row's arithmetic is then
 the same by construction whatever its batch and thread count, and a layer is a handful of
 calls instead of some thirty small ATen ops (about 3 ms of a 1.5B decode step).
@@ -9,11 +10,11 @@ calls instead of some thirty small ATen ops (about 3 ms of a 1.5B decode step).
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
-from specdec.model.formats.activation import silu_mul
+from specdec.model.formats import token_attention
+from specdec.model.formats.activation import gate_act
 
 
 @functools.cache
@@ -36,26 +37,47 @@ def usable(model) -> bool:
             and _ops() is not None)
 
 
-def run_layers(model, x: torch.Tensor, batch, plan, cache, rotary) -> torch.Tensor:
-    """x: the embedded tokens [T, hidden]; returns the last layer's output (before the
-    final norm)."""
-    attend, rows = _ops()
-    layers = model.layers
-    h = rows.rms_norm(x, layers[0].w["in_norm"], layers[0].eps)
-    for i, layer in enumerate(layers):
-        w, D = layer.w, layer.head_dim
-        a = attend.attend_rotary(w["qkv"](h).contiguous(), rotary.cos, rotary.sin, batch.positions,
-                                 cache.k[i], cache.v[i], plan.slots, plan.n_keys, layer.n_q,
-                                 layer.n_kv, 1.0 / math.sqrt(D))
-        a = model.all_reduce(w["o"](a))
-        if w["o_b"] is not None:
-            a = a + w["o_b"]
-        x, h = rows.add_rms_norm(x, a, w["post_norm"], layer.eps)
-        m = model.all_reduce(w["down"](silu_mul(w["gate_up"](h), row_invariant=True)))
-        if w["down_b"] is not None:
-            m = m + w["down_b"]
-        if i + 1 < len(layers):
-            x, h = rows.add_rms_norm(x, m, layers[i + 1].w["in_norm"], layers[i + 1].eps)
-        else:
-            x = x + m
-    return x
+class InvariantOps:
+    """One forward's ops: its batch, cache and each layer's rotary tables (block.Rotary)."""
+
+    def __init__(self, model, batch, cache, rotary) -> None:
+        self.model, self.batch, self.cache, self.rotary = model, batch, cache, rotary
+        self.attention, self.rows = _ops()
+        pairs = [(slot, start + j + 1) for slot, start, n in
+                 zip(batch.slot_list, batch.starts, batch.query_lens, strict=True)
+                 for j in range(n)]
+        self.per_token = pairs
+        pairs_t = torch.tensor(pairs, dtype=torch.long).view(-1, 2)
+        self.slots, self.n_keys = pairs_t[:, 0], pairs_t[:, 1]
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def norm(self, x, w, eps):
+        return self.rows.rms_norm(x.contiguous(), w, eps)
+
+    def add_norm(self, x, delta, w, eps):
+        return self.rows.add_rms_norm(x, delta.contiguous(), w, eps)
+
+    def act(self, gate_up):
+        return gate_act(self.model.cfg.family.activation, gate_up, row_invariant=True)
+
+    def tables(self, layer):
+        r = self.rotary[layer]
+        if id(r) not in self._tables:
+            pos = self.batch.positions
+            self._tables[id(r)] = r.cos[pos].unsqueeze(1), r.sin[pos].unsqueeze(1)
+        return self._tables[id(r)]
+
+    def fused_attend(self, i, qkv):
+        cfg, layer, r = self.model.cfg, self.model.layers[i], self.rotary[i]
+        if cfg.layer_windows[i] is not None or r.full != layer.head_dim:
+            return None  # a window or partial rotary: the block rotates, attend() attends
+        return self.attention.attend_rotary(
+            qkv.contiguous(), r.cos, r.sin, self.batch.positions, self.cache.k[i],
+            self.cache.v[i], self.slots, self.n_keys, layer.n_q, layer.n_kv, cfg.attn_scale)
+
+    def attend(self, i, q, k, v):
+        self.cache.write(i, self.batch.slot_of_token, self.batch.positions, k, v)
+        return token_attention.attend(q, self.cache.k[i], self.cache.v[i], self.slots,
+                                      self.n_keys, self.per_token, None,
+                                      self.model.cfg.layer_windows[i],
+                                      self.model.cfg.attn_scale)

@@ -1,12 +1,12 @@
-"""A compact decoder (Llama / Qwen2 / Mistral family) written for serving.
+"""A compact decoder for every family of specdec.model.checkpoint.family, written for serving.
 
 Why not transformers' own forward: it has no per-row cache rollback, its assisted generation
 is batch-1 only, and it offers no tensor-parallel split we control. This module takes ragged
 batches (each row its own number of new tokens and positions), keeps K/V in fixed slots with
 O(1) rollback (see kv_cache.py) and holds only its rank's slice of every parallel weight.
 
-The numerics follow transformers' implementation step for step (RMSNorm in fp32, rotary
-tables built the same way, residuals in the model dtype) so fp32 logits match it to ~1e-5.
+The block itself is specdec.model.step.block (one definition every path runs); this module
+holds the weights, the caches and the eager path's attention.
 """
 
 from __future__ import annotations
@@ -20,14 +20,15 @@ import torch
 import torch.nn.functional as F
 
 from specdec.model.checkpoint.config import DecoderConfig
+from specdec.model.checkpoint.rope import Rope
 from specdec.model.checkpoint.sharding import ShardSpec
 from specdec.model.checkpoint.weights import open_checkpoint
 from specdec.model.formats import invariant_layers, kquant_choice, token_attention
-from specdec.model.formats.activation import silu_mul
 from specdec.model.formats.embedding import BlockEmbedding, table_bytes
 from specdec.model.formats.linear import Linear
 from specdec.model.formats.weight_format import WeightFormat, resolve_format
 from specdec.model.step.batch import BatchInput, logits_at
+from specdec.model.step.block import AtenOps, Rotary, embed, rms_norm, run_layers
 from specdec.model.step.heap import release_free_heap
 from specdec.model.step.kv_cache import KVCache
 
@@ -36,35 +37,6 @@ AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # fp32 statistics regardless of the model dtype, as the reference implementation does.
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class Rotary:
-    """cos/sin tables indexed by absolute position (each token carries its own)."""
-
-    def __init__(self, head_dim: int, theta: float, max_len: int, dtype, device) -> None:
-        inv_freq = 1.0 / (
-            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        )
-        pos = torch.arange(max_len, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
-
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return x * cos + _rotate_half(x) * sin
 
 
 class Layer:
@@ -98,7 +70,12 @@ class Decoder:
         # Tensor-parallel greedy: the ranks' slice maxima reduced to the global argmax ids on
         # rank 0, so no logits cross between ranks. Set by the group with gather_vocab.
         self.argmax_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self._rotary: Rotary | None = None
+        self._rotary: dict[Rope, Rotary] = {}
+        self._rotary_len = 0
+        # Each layer's rotary embedding as an index into static_tables (a plain attribute:
+        # a compiled step reads it while tracing).
+        ropes = [cfg.rope_of(i) for i in range(cfg.num_layers)]
+        self.rope_index = tuple(list(dict.fromkeys(ropes)).index(r) for r in ropes)
         # The batch-invariant formats' layers through our kernels (invariant_layers.py).
         self._invariant_layers = invariant_layers.usable(self)
 
@@ -215,7 +192,7 @@ class Decoder:
         return total
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        limit = self.cfg.sliding_window or self.cfg.max_position_embeddings
+        limit = self.cfg.context_limit
         if max_len > limit:
             raise ValueError(
                 f"max context {max_len} exceeds what this model supports ({limit} tokens)"
@@ -224,11 +201,29 @@ class Decoder:
         return KVCache(self.cfg.num_layers, num_slots, max_len, n_kv, self.cfg.head_dim,
                        self.format.kv_dtype, self.device)
 
-    def _rotary_for(self, max_len: int) -> Rotary:
-        if self._rotary is None or self._rotary.cos.shape[0] < max_len:
-            self._rotary = Rotary(self.cfg.head_dim, self.cfg.rope_theta, max_len,
-                                  self.dtype, self.device)
-        return self._rotary
+    def rotary_tables(self, max_len: int) -> list[Rotary]:
+        """Each layer's rotary tables for a cache of max_len positions (layers sharing a
+        rotary embedding share them)."""
+        if self._rotary_len != max_len:
+            self._rotary = {}
+            self._rotary_len = max_len
+        out = []
+        for i in range(self.cfg.num_layers):
+            rope = self.cfg.rope_of(i)
+            if rope not in self._rotary:
+                self._rotary[rope] = Rotary(rope, max_len, self.dtype, self.device)
+            out.append(self._rotary[rope])
+        return out
+
+    def static_tables(self, max_len: int) -> tuple[tuple[torch.Tensor, ...],
+                                                   tuple[torch.Tensor, ...]]:
+        """The distinct rotary tables (cos, sin), in `rope_index` order: a static step's
+        arguments (a captured graph reads fixed tensors)."""
+        tables = self.rotary_tables(max_len)
+        firsts = list(dict.fromkeys(id(r) for r in tables))
+        by_id = {id(r): r for r in tables}
+        return (tuple(by_id[i].cos for i in firsts), tuple(by_id[i].sin for i in firsts))
+
 
     # ---- forward ------------------------------------------------------------------------
 
@@ -246,23 +241,20 @@ class Decoder:
         """
         if batch.kv_len > cache.max_len:
             raise ValueError(f"sequence length {batch.kv_len} exceeds the cache ({cache.max_len})")
-        rotary = self._rotary_for(cache.max_len)
-        x = self.embed[batch.token_ids].to(self.dtype)
+        tables = self.rotary_tables(cache.max_len)
+        x = embed(self, batch.token_ids)
         # A batch-invariant format: every token attends alone (one query, no mask, its own
         # keys), so its arithmetic is the same whether it is decoded by itself, verified
         # among k others or prefilled in a batch. A padded batch's longer key axis or a
         # verify's several queries change the kernel's blocking by ~1e-7, and an int8
         # rounding boundary turns that into a different token.
-        attn = _PerTokenPlan(batch) if self.format.per_row else _AttentionPlan(batch)
         if self._invariant_layers:
-            x = invariant_layers.run_layers(self, x.contiguous(), batch, attn, cache, rotary)
+            ops = invariant_layers.InvariantOps(self, batch, cache, tables)
         else:
-            for i, layer in enumerate(self.layers):
-                h = _rms_norm(x, layer.w["in_norm"], layer.eps)
-                x = x + self._attention(i, layer, h, batch, attn, cache, rotary)
-                h = _rms_norm(x, layer.w["post_norm"], layer.eps)
-                x = x + self._mlp(layer, h)
-        h = _rms_norm(x[logits_at(logit_indices, batch, x.device)], self.norm,
+            plan = _PerTokenPlan(batch) if self.format.per_row else _AttentionPlan(batch)
+            ops = EagerOps(self, batch, plan, cache, tables)
+        x = run_layers(self, x.contiguous(), ops)
+        h = rms_norm(x[logits_at(logit_indices, batch, x.device)], self.norm,
                       self.cfg.rms_norm_eps)
         if self.lm_head is None:  # no projection loaded
             return h.new_empty(h.shape[0], 0, dtype=torch.float32)
@@ -283,49 +275,43 @@ class Decoder:
 
     __call__ = forward
 
-    def _attention(self, i: int, layer: Layer, h: torch.Tensor, batch: BatchInput,
-                   plan: _AttentionPlan | _PerTokenPlan, cache: KVCache, rotary: Rotary) -> torch.Tensor:
-        D, nq, nkv = layer.head_dim, layer.n_q, layer.n_kv
-        qkv = layer.w["qkv"](h)
-        q = qkv[:, : nq * D].view(-1, nq, D)
-        k = qkv[:, nq * D: (nq + nkv) * D].view(-1, nkv, D)
-        v = qkv[:, (nq + nkv) * D:].view(-1, nkv, D)
-        q = rotary.apply(q, batch.positions)
-        k = rotary.apply(k, batch.positions)
+
+
+class EagerOps(AtenOps):
+    """The eager ragged forward's attention: one SDPA call over the padded batch (a mask per
+    window), or each token alone (batch-invariant formats without our kernels)."""
+
+    def __init__(self, model: Decoder, batch: BatchInput, plan, cache: KVCache,
+                 tables: list[Rotary]) -> None:
+        super().__init__(model)
+        self.batch, self.plan, self.cache, self.rotary = batch, plan, cache, tables
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, layer):
+        r = self.rotary[layer]
+        if id(r) not in self._tables:  # gathered once per forward and rotary embedding
+            pos = self.batch.positions
+            self._tables[id(r)] = r.cos[pos].unsqueeze(1), r.sin[pos].unsqueeze(1)
+        return self._tables[id(r)]
+
+    def attend(self, i, q, k, v):
+        layer, batch, plan, cache = self.model.layers[i], self.batch, self.plan, self.cache
+        window = self.model.cfg.layer_windows[i]
         cache.write(i, batch.slot_of_token, batch.positions, k, v)
-        if plan.per_token is None:
-            out = self._sdpa(i, layer, q, batch, plan, cache)
-        else:
-            out = token_attention.attend(q, cache.k[i], cache.v[i], plan.slots, plan.n_keys,
-                                         plan.per_token, layer.kv_gather)
-        out = self.all_reduce(layer.w["o"](out))
-        return out if layer.w["o_b"] is None else out + layer.w["o_b"]
-
-    def _sdpa(self, i: int, layer: Layer, q: torch.Tensor, batch: BatchInput,
-              plan: _AttentionPlan, cache: KVCache) -> torch.Tensor:
+        if plan.per_token is not None:
+            return token_attention.attend(q, cache.k[i], cache.v[i], plan.slots, plan.n_keys,
+                                          plan.per_token, layer.kv_gather, window,
+                                          self.model.cfg.attn_scale)
         nq, nkv = layer.n_q, layer.n_kv
-        keys, values = self._keys_values(i, layer, cache, batch.slots, batch.kv_len,
-                                         plan.single_slot)
-        out = F.scaled_dot_product_attention(
-            plan.pad(q), keys, values, attn_mask=plan.mask,
-            enable_gqa=layer.kv_gather is None and nq != nkv,
-        )  # [B, Hq, Qmax, D]
-        return plan.unpad(out).reshape(-1, nq * layer.head_dim)
-
-    @staticmethod
-    def _keys_values(i: int, layer: Layer, cache: KVCache, slots, n_keys: int,
-                     single_slot: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's keys and values for attention: [B, heads, n_keys, dim]."""
-        keys, values = cache.read(i, slots, n_keys, single_slot)
+        keys, values = cache.read(i, batch.slots, batch.kv_len, plan.single_slot)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         if layer.kv_gather is not None:
             keys, values = keys[:, layer.kv_gather], values[:, layer.kv_gather]
-        return keys, values
-
-    def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
-        act = silu_mul(layer.w["gate_up"](h), row_invariant=self.format.per_row)
-        out = self.all_reduce(layer.w["down"](act))
-        return out if layer.w["down_b"] is None else out + layer.w["down_b"]
+        out = F.scaled_dot_product_attention(
+            plan.pad(q), keys, values, attn_mask=plan.mask_for(window),
+            enable_gqa=layer.kv_gather is None and nq != nkv, scale=self.model.cfg.attn_scale,
+        )  # [B, Hq, Qmax, D]
+        return plan.unpad(out).reshape(-1, nq * layer.head_dim)
 
 
 class _PerTokenPlan:
@@ -353,11 +339,21 @@ class _AttentionPlan:
         qpos = torch.full((B, Q), -1, dtype=torch.long, device=dev)
         qpos[batch.row_of_token, batch.col_of_token] = batch.positions
         keys = torch.arange(K, device=dev)
-        mask = keys.view(1, 1, K) <= qpos.unsqueeze(-1)  # [B, Q, K] causal over absolute pos
-        # Padding queries see key 0 only, so softmax stays finite; their output is dropped.
-        mask[..., 0] |= qpos < 0
-        self.mask = mask.unsqueeze(1)  # [B, 1, Q, K]
+        self.qpos, self.keys = qpos.unsqueeze(-1), keys.view(1, 1, K)
+        self._masks: dict[int | None, torch.Tensor] = {}
+        self.mask = self.mask_for(None)
         self.per_token = None
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """[B, 1, Q, K]: causal over absolute positions, and within the window."""
+        if window not in self._masks:
+            mask = self.keys <= self.qpos  # [B, Q, K]
+            if window is not None:
+                mask &= self.keys > self.qpos - window
+            # Padding queries see key 0 only, so softmax stays finite; their output is dropped.
+            mask[..., 0] |= self.qpos[..., 0] < 0
+            self._masks[window] = mask.unsqueeze(1)
+        return self._masks[window]
 
     def pad(self, q: torch.Tensor) -> torch.Tensor:
         b = self.batch
@@ -379,9 +375,16 @@ def _layer_weights(i: int, cfg, fmt, get, weight, bias, q_rows, kv_rows, inter) 
     fused, one matmul each instead of three and two."""
     p = f"model.layers.{i}."
     a, m = p + "self_attn.", p + "mlp."
+    fam = cfg.family
     return {
         "in_norm": get(p + "input_layernorm.weight"),
         "post_norm": get(p + "post_attention_layernorm.weight"),
+        # Per-head q/k norms (Qwen 3, Gemma 3): the same weight on every rank's heads.
+        "q_norm": get(a + "q_norm.weight") if fam.qk_norm else None,
+        "k_norm": get(a + "k_norm.weight") if fam.qk_norm else None,
+        # Norms on the attention's and the MLP's output (Gemma 3), after the all_reduce.
+        "attn_out_norm": get(p + "attn_output_norm.weight") if fam.output_norms else None,
+        "mlp_out_norm": get(p + "mlp_output_norm.weight") if fam.output_norms else None,
         # Fused q|k|v and gate|up: one matmul each instead of three and two.
         "qkv": fmt.linear_rows(
             [weight(a + "q_proj.weight", rows=q_rows),

@@ -113,8 +113,8 @@ def pick(logits: torch.Tensor, temps: torch.Tensor, greedy: torch.Tensor, u: tor
     return picks, torch.where(greedy, sure, probs.gather(1, local).squeeze(1)), ids, probs
 
 
-def draft_loop(model, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, logits0: torch.Tensor, positions: torch.Tensor,
+def draft_loop(model, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: tuple,
+               sin: tuple, logits0: torch.Tensor, positions: torch.Tensor,
                slots: torch.Tensor, temps: torch.Tensor, greedy: torch.Tensor,
                u: torch.Tensor, rows: int, keys: int, k: int, sampled: bool, top_m: int):
     """k picks per row from the catch-up logits on: pick, feed the pick back at the next
@@ -162,8 +162,8 @@ def run_loop(static: StaticDecoder, cache: KVCache, logits0: torch.Tensor,
         buffers = static.loop_buffers[key] = LoopBuffers(shape, logits0.shape[-1],
                                                          cache.num_slots - 1, static.device)
     buffers.fill(logits0, positions, slots, temps, greedy, u)
-    rotary = static.model._rotary_for(cache.max_len)
-    out = static._run(draft_loop, (static.model, cache.k, cache.v, rotary.cos, rotary.sin,
+    cos, sin = static.model.static_tables(cache.max_len)
+    out = static._run(draft_loop, (static.model, cache.k, cache.v, cos, sin,
                                    *buffers.tensors(), shape.rows, shape.keys, shape.k,
                                    shape.sampled, shape.top_m), key)
     static.loop_rounds += 1

@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from specdec.model.step.batch import BatchInput, logits_at
-from specdec.model.step.decoder import Decoder, _rms_norm, _rotate_half
+from specdec.model.step.block import AtenOps, embed, rms_norm, run_layers
+from specdec.model.step.decoder import Decoder
 from specdec.model.step.kv_cache import KVCache
 
 Layout = Literal["pad", "flat"]
@@ -123,40 +124,73 @@ def _kv_write_shape(k_cache, v_cache, layer, slot, pos, k, v) -> None:
     return None
 
 
+class StaticOps(AtenOps):
+    """A static step's attention: the bucket's padded grid, one mask per window, the K/V
+    written by `kv_write`."""
+
+    def __init__(self, model, k_cache, v_cache, cos, sin, positions, write_slot, write_pos,
+                 slots, rows, query, keys) -> None:
+        super().__init__(model)
+        self.k_cache, self.v_cache, self.slots = k_cache, v_cache, slots
+        self.write_slot, self.write_pos = write_slot, write_pos
+        self.rows, self.query, self.keys = rows, query, keys
+        at = positions.clamp(min=0)
+        self._tables = [(c[at].unsqueeze(1), s[at].unsqueeze(1)) for c, s in zip(cos, sin,
+                                                                                    strict=True)]
+        self.qpos = positions.view(rows, query, 1)
+        self.key_pos = torch.arange(keys, device=positions.device)
+        self._masks: dict[int | None, torch.Tensor] = {}
+
+    def tables(self, layer):
+        return self._tables[self.model.rope_index[layer]]
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        if window not in self._masks:
+            mask = self.key_pos.view(1, 1, -1) <= self.qpos
+            if window is not None:
+                mask = mask & (self.key_pos.view(1, 1, -1) > self.qpos - window)
+            # Padding queries see key 0 only, so softmax stays finite; their output is dropped.
+            mask = mask | ((self.qpos < 0) & (self.key_pos == 0))
+            self._masks[window] = mask.unsqueeze(1)  # [rows, 1, query, keys]
+        return self._masks[window]
+
+    def attend(self, i, q, k, v):
+        layer, rows, query, keys = self.model.layers[i], self.rows, self.query, self.keys
+        D, nq, nkv = layer.head_dim, layer.n_q, layer.n_kv
+        kv_write(self.k_cache, self.v_cache, i, self.write_slot, self.write_pos, k, v)
+        kk = self.k_cache[i, :, :keys].index_select(0, self.slots).transpose(1, 2)
+        vv = self.v_cache[i, :, :keys].index_select(0, self.slots).transpose(1, 2)
+        if layer.kv_gather is not None:
+            kk, vv = kk[:, layer.kv_gather], vv[:, layer.kv_gather]
+        out = F.scaled_dot_product_attention(
+            q.view(rows, query, nq, D).transpose(1, 2), kk, vv,
+            attn_mask=self.mask(self.model.cfg.layer_windows[i]),
+            enable_gqa=layer.kv_gather is None and nq != nkv, scale=self.model.cfg.attn_scale)
+        return out.transpose(1, 2).reshape(rows * query, nq * D)
+
+
 def static_hidden(model: Decoder, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor, token_ids: torch.Tensor,
-                  positions: torch.Tensor, write_slot: torch.Tensor, write_pos: torch.Tensor,
-                  slots: torch.Tensor, rows: int, query: int, keys: int) -> torch.Tensor:
+                  cos: tuple[torch.Tensor, ...], sin: tuple[torch.Tensor, ...],
+                  token_ids: torch.Tensor, positions: torch.Tensor, write_slot: torch.Tensor,
+                  write_pos: torch.Tensor, slots: torch.Tensor, rows: int, query: int,
+                  keys: int) -> torch.Tensor:
     """Final-normed hidden states [rows * query, hidden] of every padded position: what a
     step's graph computes. A pure function of its tensor arguments and the model's weights;
-    shapes depend only on (rows, query, keys).
+    shapes depend only on (rows, query, keys). cos, sin: the model's `static_tables`.
 
     The vocabulary projection stays outside (`Decoder.project`, on the positions that need
     logits), as vLLM keeps it outside its graphs: a captured graph's output stays allocated
     for the graph's life, and [rows * query, vocab] fp32 logits are ~200x the hidden states
     for a 150k vocabulary (136 MB at 32 rows x 7 tokens, per bucket), where hidden states
     are under 1 MB. It also lets greedy and sampled steps of a bucket share one graph."""
-    x = model.embed[token_ids].to(model.dtype)
-    at = positions.clamp(min=0)
-    cos_t, sin_t = cos[at].unsqueeze(1), sin[at].unsqueeze(1)  # [T, 1, D]
-    qpos = positions.view(rows, query, 1)
-    mask = torch.arange(keys, device=positions.device).view(1, 1, keys) <= qpos
-    # Padding queries see key 0 only, so softmax stays finite; their output is dropped.
-    mask = mask | ((qpos < 0) & (torch.arange(keys, device=positions.device) == 0))
-    mask = mask.unsqueeze(1)  # [rows, 1, query, keys]
-    for i, layer in enumerate(model.layers):
-        h = _rms_norm(x, layer.w["in_norm"], layer.eps)
-        x = x + _attention(model, i, layer, h, k_cache, v_cache, cos_t, sin_t, write_slot,
-                           write_pos, slots, mask, rows, query, keys)
-        h = _rms_norm(x, layer.w["post_norm"], layer.eps)
-        gate, up = layer.w["gate_up"](h).chunk(2, dim=-1)
-        out = model.all_reduce(layer.w["down"](F.silu(gate) * up))
-        x = x + (out if layer.w["down_b"] is None else out + layer.w["down_b"])
-    return _rms_norm(x, model.norm, model.cfg.rms_norm_eps)
+    ops = StaticOps(model, k_cache, v_cache, cos, sin, positions, write_slot, write_pos,
+                    slots, rows, query, keys)
+    x = run_layers(model, embed(model, token_ids), ops)
+    return rms_norm(x, model.norm, model.cfg.rms_norm_eps)
 
 
 def static_forward(model: Decoder, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   cos: torch.Tensor, sin: torch.Tensor, token_ids: torch.Tensor,
+                   cos: tuple, sin: tuple, token_ids: torch.Tensor,
                    positions: torch.Tensor, write_slot: torch.Tensor, write_pos: torch.Tensor,
                    slots: torch.Tensor, rows: int, query: int, keys: int, argmax: bool
                    ) -> torch.Tensor:
@@ -165,27 +199,6 @@ def static_forward(model: Decoder, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return model.project(static_hidden(model, k_cache, v_cache, cos, sin, token_ids,
                                        positions, write_slot, write_pos, slots, rows, query,
                                        keys), argmax)
-
-
-def _attention(model, i, layer, h, k_cache, v_cache, cos_t, sin_t, write_slot, write_pos,
-               slots, mask, rows, query, keys) -> torch.Tensor:
-    D, nq, nkv = layer.head_dim, layer.n_q, layer.n_kv
-    qkv = layer.w["qkv"](h)
-    q = qkv[:, : nq * D].view(-1, nq, D)
-    k = qkv[:, nq * D: (nq + nkv) * D].view(-1, nkv, D)
-    v = qkv[:, (nq + nkv) * D:].view(-1, nkv, D)
-    q = q * cos_t + _rotate_half(q) * sin_t
-    k = k * cos_t + _rotate_half(k) * sin_t
-    kv_write(k_cache, v_cache, i, write_slot, write_pos, k, v)
-    kk = k_cache[i, :, :keys].index_select(0, slots).transpose(1, 2)  # [rows, heads, keys, D]
-    vv = v_cache[i, :, :keys].index_select(0, slots).transpose(1, 2)
-    if layer.kv_gather is not None:
-        kk, vv = kk[:, layer.kv_gather], vv[:, layer.kv_gather]
-    out = F.scaled_dot_product_attention(
-        q.view(rows, query, nq, D).transpose(1, 2), kk, vv, attn_mask=mask,
-        enable_gqa=layer.kv_gather is None and nq != nkv)
-    out = model.all_reduce(layer.w["o"](out.transpose(1, 2).reshape(rows * query, nq * D)))
-    return out if layer.w["o_b"] is None else out + layer.w["o_b"]
 
 
 StepFn = Callable[..., torch.Tensor]
@@ -263,9 +276,9 @@ class StaticDecoder:
             buffers = self._buffers[(bucket, scratch)] = StepBuffers(bucket, scratch,
                                                                       self.device)
         idx = buffers.fill(batch)
-        rotary = self.model._rotary_for(cache.max_len)
-        hidden = self._run(static_hidden, (self.model, cache.k, cache.v, rotary.cos,
-                                           rotary.sin, *buffers.tensors(), bucket.rows,
+        cos, sin = self.model.static_tables(cache.max_len)
+        hidden = self._run(static_hidden, (self.model, cache.k, cache.v, cos,
+                                           sin, *buffers.tensors(), bucket.rows,
                                            bucket.query, bucket.keys),
                            (bucket, buffers.scratch))
         self.static_steps += 1
