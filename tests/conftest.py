@@ -123,3 +123,8 @@ def _repeatable_unseeded_streams():
     seed_unseeded(0)
     yield
     seed_unseeded(None)
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    return pack_model("gemma3-270m")

