@@ -4,6 +4,7 @@ config.json (a GGUF file's metadata is first turned into the same dict: gguf_fil
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -40,8 +41,8 @@ class DecoderConfig:
     attn_scale: float = 0.0  # on q.k (0: 1 / sqrt(head_dim))
     embed_scale: float | None = None  # on the embeddings (Gemma: sqrt(hidden))
 
-    @property
-    def family(self) -> Family:
+    @functools.cached_property
+    def family(self) -> Family:  # read in every layer of every forward
         return family_of_model_type(self.model_type)
 
     @property

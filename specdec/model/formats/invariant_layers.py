@@ -38,18 +38,13 @@ def usable(model) -> bool:
 
 
 class InvariantOps:
-    """One forward's ops: its batch, cache and each layer's rotary tables (block.Rotary)."""
+    """One forward's ops: its batch, its per-token plan ((slot, keys it sees) of each
+    token), the cache and each layer's rotary tables (block.Rotary)."""
 
-    def __init__(self, model, batch, cache, rotary) -> None:
+    def __init__(self, model, batch, plan, cache, rotary) -> None:
         self.model, self.batch, self.cache, self.rotary = model, batch, cache, rotary
         self.attention, self.rows = _ops()
-        pairs = [(slot, start + j + 1) for slot, start, n in
-                 zip(batch.slot_list, batch.starts, batch.query_lens, strict=True)
-                 for j in range(n)]
-        self.per_token = pairs
-        pairs_t = torch.tensor(pairs, dtype=torch.long).view(-1, 2)
-        self.slots, self.n_keys = pairs_t[:, 0], pairs_t[:, 1]
-        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.per_token, self.slots, self.n_keys = plan.per_token, plan.slots, plan.n_keys
 
     def norm(self, x, w, eps):
         return self.rows.rms_norm(x.contiguous(), w, eps)
@@ -61,11 +56,7 @@ class InvariantOps:
         return gate_act(self.model.cfg.family.activation, gate_up, row_invariant=True)
 
     def tables(self, layer):
-        r = self.rotary[layer]
-        if id(r) not in self._tables:
-            pos = self.batch.positions
-            self._tables[id(r)] = r.cos[pos].unsqueeze(1), r.sin[pos].unsqueeze(1)
-        return self._tables[id(r)]
+        return self.rotary[layer].at(self.batch.positions)
 
     def fused_attend(self, i, qkv):
         cfg, layer, r = self.model.cfg, self.model.layers[i], self.rotary[i]

@@ -52,7 +52,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: tor
     ops = _ops()
     if ops is None or kv_index is not None or q.device.type != "cpu" or D % 16:
         return _alone(q, keys, values, per_token, range(T), kv_index, window, scale)
-    far = [t for t, (_, n) in enumerate(per_token) if window is not None and n > window]
+    far = [] if window is None else [t for t, (_, n) in enumerate(per_token) if n > window]
     if not far:
         return ops.attend(q.contiguous(), keys, values, slots, n_keys, scale).view(T, nq * D)
     far_set = set(far)

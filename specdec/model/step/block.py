@@ -50,9 +50,15 @@ class Rotary:
         self.cos = (emb.cos() * scale).to(dtype=dtype, device=device)
         self.sin = (emb.sin() * scale).to(dtype=dtype, device=device)
         self.full = rope.dim  # rotated dims
+        self._at: tuple = (None, None, None)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return rotate(x, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at each token's position, [T, 1, dim]: gathered once per forward (the
+        layers sharing this embedding ask with the same positions tensor)."""
+        if self._at[0] is not positions:
+            self._at = (positions, self.cos[positions].unsqueeze(1),
+                        self.sin[positions].unsqueeze(1))
+        return self._at[1], self._at[2]
 
 
 class BlockOps(Protocol):

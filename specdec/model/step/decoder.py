@@ -70,7 +70,8 @@ class Decoder:
         # Tensor-parallel greedy: the ranks' slice maxima reduced to the global argmax ids on
         # rank 0, so no logits cross between ranks. Set by the group with gather_vocab.
         self.argmax_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self._rotary: dict[Rope, Rotary] = {}
+        self._rotary: list[Rotary] = []  # per layer, for caches of _rotary_len positions
+        self._static_tables: tuple = ((), ())
         self._rotary_len = 0
         # Each layer's rotary embedding as an index into static_tables (a plain attribute:
         # a compiled step reads it while tracing).
@@ -203,27 +204,26 @@ class Decoder:
 
     def rotary_tables(self, max_len: int) -> list[Rotary]:
         """Each layer's rotary tables for a cache of max_len positions (layers sharing a
-        rotary embedding share them)."""
+        rotary embedding share them); built once per cache length."""
         if self._rotary_len != max_len:
-            self._rotary = {}
+            built: dict[Rope, Rotary] = {}
+            for i in range(self.cfg.num_layers):
+                rope = self.cfg.rope_of(i)
+                if rope not in built:
+                    built[rope] = Rotary(rope, max_len, self.dtype, self.device)
+            self._rotary = [built[self.cfg.rope_of(i)] for i in range(self.cfg.num_layers)]
+            distinct = list(built.values())  # in rope_index order (first use)
+            self._static_tables = (tuple(r.cos for r in distinct),
+                                   tuple(r.sin for r in distinct))
             self._rotary_len = max_len
-        out = []
-        for i in range(self.cfg.num_layers):
-            rope = self.cfg.rope_of(i)
-            if rope not in self._rotary:
-                self._rotary[rope] = Rotary(rope, max_len, self.dtype, self.device)
-            out.append(self._rotary[rope])
-        return out
+        return self._rotary
 
     def static_tables(self, max_len: int) -> tuple[tuple[torch.Tensor, ...],
                                                    tuple[torch.Tensor, ...]]:
         """The distinct rotary tables (cos, sin), in `rope_index` order: a static step's
         arguments (a captured graph reads fixed tensors)."""
-        tables = self.rotary_tables(max_len)
-        firsts = list(dict.fromkeys(id(r) for r in tables))
-        by_id = {id(r): r for r in tables}
-        return (tuple(by_id[i].cos for i in firsts), tuple(by_id[i].sin for i in firsts))
-
+        self.rotary_tables(max_len)
+        return self._static_tables
 
     # ---- forward ------------------------------------------------------------------------
 
@@ -248,10 +248,10 @@ class Decoder:
         # among k others or prefilled in a batch. A padded batch's longer key axis or a
         # verify's several queries change the kernel's blocking by ~1e-7, and an int8
         # rounding boundary turns that into a different token.
+        plan = _PerTokenPlan(batch) if self.format.per_row else _AttentionPlan(batch)
         if self._invariant_layers:
-            ops = invariant_layers.InvariantOps(self, batch, cache, tables)
+            ops = invariant_layers.InvariantOps(self, batch, plan, cache, tables)
         else:
-            plan = _PerTokenPlan(batch) if self.format.per_row else _AttentionPlan(batch)
             ops = EagerOps(self, batch, plan, cache, tables)
         x = run_layers(self, x.contiguous(), ops)
         h = rms_norm(x[logits_at(logit_indices, batch, x.device)], self.norm,
@@ -285,14 +285,9 @@ class EagerOps(AtenOps):
                  tables: list[Rotary]) -> None:
         super().__init__(model)
         self.batch, self.plan, self.cache, self.rotary = batch, plan, cache, tables
-        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, layer):
-        r = self.rotary[layer]
-        if id(r) not in self._tables:  # gathered once per forward and rotary embedding
-            pos = self.batch.positions
-            self._tables[id(r)] = r.cos[pos].unsqueeze(1), r.sin[pos].unsqueeze(1)
-        return self._tables[id(r)]
+        return self.rotary[layer].at(self.batch.positions)
 
     def attend(self, i, q, k, v):
         layer, batch, plan, cache = self.model.layers[i], self.batch, self.plan, self.cache
