@@ -74,3 +74,12 @@ def test_engine_keys_are_written_flat_and_errors_name_them_as_written():
         parse_args({**args, "target": {**args["target"], "tp": 0}})
     with pytest.raises(ConfigError, match=r"\n  ingress_cpus: Input should be"):
         parse_args({**args, "ingress_cpus": -1})
+
+
+def test_the_gemma3_config_serves_the_pack_model_without_a_draft():
+    app = parse_args(args_of("serve_config.gemma3.yaml"))
+    cfg = app.engine
+    assert cfg.target.model == "gemma3-270m" and cfg.draft is None
+    assert cfg.runtime.max_len > 512  # past the model's window: masked, not capped
+    bundles, _, _ = bundles_for(cfg, replica_cpus=app.replica_cpus)
+    assert sum(b.get("CPU", 0) for b in bundles) <= 2.0
