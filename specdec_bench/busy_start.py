@@ -2,9 +2,11 @@
 served to one client: does a busy start-up still cost the app its speculation?
 
 For each start: two CPU-bound processes run from the deploy until the service reports ready
-(`busy`) or none (`quiet`); they are stopped before the first request. Then one client sends
-code prompts, 96 tokens, greedy, alternating `auto` and `off` request by request (so the
-machine's drift hits both alike), then a few `on` requests. Printed: time from deploy to
+(`busy`), and on for `--busy-after` seconds while it serves, or none (`quiet`). One client
+sends prompts it has never sent (code, prose and chat-style code, each once), 96 tokens,
+greedy, alternating `auto` and `off` request by request (so the machine's drift hits both
+alike; `off` follows on the prompt `auto` just had, so only `off` can reuse a cached prefix),
+then a few `on` requests (prompts already sent: replays for the suffix index). Printed: time from deploy to
 ready and from ready to the first request served, the start-up calibration's own verdict
 (noisy or quiet), and per request tokens/s, the decision, rounds and k; then auto / off.
 
@@ -55,7 +57,13 @@ def served(client: httpx.Client, model: str, prompt: str, mode: str, max_tokens:
             "tokens_per_round": spec["mean_acceptance_length"], "why": spec["reason"][:60]}
 
 
-def one_start(kind: str, args: dict, pairs: int, on: int, max_tokens: int) -> dict:
+def _fresh_prompts() -> list[str]:
+    """Every prompt of the benchmark's sets, each once."""
+    return [p for _, prompts in PROMPT_SETS.values() for p in prompts]
+
+
+def one_start(kind: str, args: dict, pairs: int, on: int, max_tokens: int,
+              busy_after: float = 0.0) -> dict:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     hogs = []
@@ -79,14 +87,24 @@ def one_start(kind: str, args: dict, pairs: int, on: int, max_tokens: int) -> di
                         pass
                     time.sleep(0.5)
                 ready_s = time.monotonic() - t0
-                for h in hogs:  # busy during start-up only
-                    h.terminate()
-                    h.join()
+
+                def quiet_down() -> None:
+                    for h in hogs:
+                        h.terminate()
+                        h.join()
+
+                if busy_after > 0 and hogs:  # the load goes on into serving
+                    threading.Timer(busy_after, quiet_down).start()
+                else:
+                    quiet_down()
                 print(f"[{kind}] ready {ready_s:.0f} s after deploy", flush=True)
-                _, prompts = PROMPT_SETS["code"]
+                prompts = _fresh_prompts()
+                first_prompt = prompts.pop()  # not sent again below
+                if pairs > len(prompts):
+                    raise SystemExit(f"--pairs {pairs}: only {len(prompts)} fresh prompts")
                 # The first request, short (4 tokens), the moment it says ready.
                 t_ready = time.monotonic()
-                served(client, args["model_name"], prompts[0], "auto", 4)
+                served(client, args["model_name"], first_prompt, "auto", 4)
                 first_s = time.monotonic() - t_ready
                 print(f"[{kind}] first 4-token request served {first_s:.2f} s after ready, "
                       f"{time.monotonic() - t0:.0f} s after deploy", flush=True)
@@ -96,14 +114,15 @@ def one_start(kind: str, args: dict, pairs: int, on: int, max_tokens: int) -> di
                 rows = []
                 for i in range(pairs):
                     for mode in ("auto", "off"):
-                        row = served(client, args["model_name"], prompts[i % len(prompts)],
-                                     mode, max_tokens)
-                        rows.append({"start": kind, "n": len(rows) + 1, **row})
+                        busy = any(h.is_alive() for h in hogs)
+                        row = served(client, args["model_name"], prompts[i], mode, max_tokens)
+                        rows.append({"start": kind, "n": len(rows) + 1, "busy": busy, **row})
                         print(f"[{kind}] {rows[-1]}", flush=True)
                 for i in range(on):
+                    busy = any(h.is_alive() for h in hogs)
                     row = served(client, args["model_name"], prompts[i % len(prompts)], "on",
                                  max_tokens)
-                    rows.append({"start": kind, "n": len(rows) + 1, **row})
+                    rows.append({"start": kind, "n": len(rows) + 1, "busy": busy, **row})
                     print(f"[{kind}] {rows[-1]}", flush=True)
                 health = client.get("/health").json().get("engine", {})
                 priced["after the requests"] = health.get("priced_one_row", [])
@@ -126,15 +145,18 @@ def main() -> int:
     p.add_argument("--pairs", type=int, default=8, help="auto/off request pairs")
     p.add_argument("--on", type=int, default=4, help='"on" requests after them')
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--busy-after", type=float, default=0.0,
+                   help="seconds the load goes on after ready (busy starts)")
     p.add_argument("--config", default=str(ROOT / "serve_config.yaml"))
     a = p.parse_args()
     os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "1")
     args = yaml.safe_load(Path(a.config).read_text())["applications"][0]["args"]
-    results = [one_start(kind, args, a.pairs, a.on, a.max_tokens) for kind in a.starts]
+    results = [one_start(kind, args, a.pairs, a.on, a.max_tokens, a.busy_after)
+               for kind in a.starts]
     summary = []
     for res in results:
         rows = res["rows"]
-        print_table(rows, ["start", "n", "mode", "tokens_per_s", "decision", "k", "rounds",
+        print_table(rows, ["start", "n", "busy", "mode", "tokens_per_s", "decision", "k", "rounds",
                            "tokens_per_round", "why"], f"{res['kind']} start, one client")
         for when, table in res["priced"].items():
             if table:
