@@ -79,3 +79,56 @@ def test_sampled_gemma3_rounds_follow_the_plain_distribution(root):
     totals = engine.totals["draft"]
     assert 0.05 * totals.drafted < totals.accepted < 0.95 * totals.drafted
     assert contingency_pvalue(plain, spec) > 1e-3
+
+
+def test_a_llama3_pair_of_other_sizes_and_heads_is_accepted_and_exact(root):
+    """What users pair (a Llama-3.2-1B draft for a Llama-3.1-8B target): the same tokenizer,
+    another width, depth and head count, a tied output head where the target's is untied.
+    The start-up checks accept it, and greedy speculation stays token-identical."""
+    from specdec.engine.assemble import check_spec
+    from specdec.engine.spec import EngineSpec
+
+    target_path, _ = _pair("llama3", root)
+    draft_path = make_family_checkpoint(root / "llama3-small", "llama3", hidden_size=32,
+                                        intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1,
+                                        tie_word_embeddings=True)
+    shard = {"dtype": "float32", "threads": 1, "resources": {"num_cpus": 0}}
+    spec = EngineSpec.model_validate({"target": {"model": str(target_path), **shard},
+                                      "draft": {"model": str(draft_path), **shard},
+                                      "runtime": {"max_slots": 4, "max_len": 96}})
+    check_spec(spec, target_path, draft_path)  # accepted: nothing raised
+    target = Decoder.from_checkpoint(target_path, "int8")
+    draft = Decoder.from_checkpoint(draft_path, torch.float32)
+    assert draft.cfg.tie_word_embeddings and not target.cfg.tie_word_embeddings
+    prompts = random_prompts((12, 20))
+    expected = plain_generate(target, prompts, greedy(32)).token_ids
+    engine = _engine(target, draft)
+    out = engine.run(requests(prompts, greedy(32), "draft", 3))
+    assert [out[f"r{i}"].token_ids for i in range(2)] == expected
+    assert engine.totals["draft"].drafted > 0
+
+
+def test_a_pair_that_cannot_be_exact_is_refused_naming_why(root, tmp_path):
+    from specdec.engine.assemble import ConfigError, check_spec
+    from specdec.engine.spec import EngineSpec
+
+    target_path, draft_path = _pair("qwen3", root)
+    shard = {"dtype": "float32", "threads": 1, "resources": {"num_cpus": 0}}
+
+    def spec(draft):
+        return EngineSpec.model_validate({"target": {"model": str(target_path), **shard},
+                                          "draft": {"model": str(draft), **shard},
+                                          "runtime": {"max_slots": 4, "max_len": 96}})
+
+    bigger = make_family_checkpoint(tmp_path / "big-vocab", "qwen3", vocab_size=128)
+    with pytest.raises(ConfigError, match=r"draft\.model: its vocabulary \(128 ids\) exceeds"):
+        check_spec(spec(bigger), target_path, bigger)
+    other = tmp_path / "other-tokenizer"
+    import shutil
+
+    shutil.copytree(draft_path, other)
+    (other / "tokenizer.json").write_text(
+        (other / "tokenizer.json").read_text().replace('"w95"', '"zz"'))
+    with pytest.raises(ConfigError, match=r"draft\.model: draft tokenizer differs"):
+        check_spec(spec(other), target_path, other)

@@ -45,14 +45,16 @@ CASES = {
 }
 
 
-def make_family_checkpoint(path: Path, case: str) -> Path:
+def make_family_checkpoint(path: Path, case: str, **changes) -> Path:
+    """changes: config values over the case's (a smaller draft of the same family)."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from specdec.pack.tiny import save_tiny_tokenizer
 
     model_type, overrides = CASES[case]
-    cfg = CONFIG_MAPPING[model_type](**{**COMMON, **overrides})
-    torch.manual_seed(zlib.crc32(case.encode()))
+    cfg = CONFIG_MAPPING[model_type](**{**COMMON, **overrides, **changes})
+    seed = repr((case, sorted(changes.items()))) if changes else case
+    torch.manual_seed(zlib.crc32(seed.encode()))
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         # Norms and biases drawn too (transformers starts them at 1, 0 or Gemma's 0), so a
