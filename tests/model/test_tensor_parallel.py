@@ -127,3 +127,27 @@ def test_distributed_argmax_breaks_ties_as_the_whole_row_does():
             ids.append(i + s.start)
         got = pick_argmax(torch.stack(best), torch.stack(ids))
         assert torch.equal(got, row.argmax(-1)), row
+
+
+FAMILY_SEQS = [[(7 * i) % 90 + 3 for i in range(40)], *SEQS[:2]]  # the first past a 24-token window
+
+
+@pytest.fixture(scope="module")
+def family_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("tp-families")
+
+
+@pytest.mark.parametrize("case", ["gemma3", "phi3", "qwen3", "llama3"])
+def test_tp_logits_of_each_family_equal_single_process(case, family_root, tmp_path):
+    """Phi-3's fused q|k|v and gate|up cut per rank, q/k norms on each rank's heads, Gemma's
+    output norms after the all_reduce and its windows, Llama 3's scaled RoPE."""
+    from family_fixtures import make_family_checkpoint
+
+    ckpt = family_root / case
+    if not ckpt.exists():
+        make_family_checkpoint(ckpt, case)
+    expected = local_logits(ckpt, FAMILY_SEQS)
+    got = run_group(ckpt, 2, FAMILY_SEQS, tmp_path)
+    for mode, e in expected.items():
+        diff = (got[mode] - e).abs().max().item()
+        assert diff <= 1e-4, f"{case} TP=2 {mode}: max abs diff {diff}"
