@@ -9,7 +9,6 @@ from pydantic import ValidationError
 from ray import serve
 
 from deployments.actors.placement import bundles_for
-from deployments.api_key import api_key_from
 from deployments.app_config import AppArgs
 from deployments.engine_server import EngineServer
 from deployments.ingress import Ingress
@@ -32,7 +31,7 @@ def _as_written(loc: tuple) -> tuple:
 
 def build_app(args: dict):
     cfg = parse_args(args)
-    api_key_from(os.environ, cfg.api_key)  # a set but empty key fails the deploy, not later
+    cfg.keys(os.environ)  # a set but empty or shared key fails the deploy, not later
     bundles, _, _ = bundles_for(cfg.engine, replica_cpus=cfg.replica_cpus)
     auto = cfg.engine_autoscaling
     routing = {}

@@ -8,10 +8,12 @@ see deployments/app.py)."""
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
+from deployments.tenancy import Tenancy
 from specdec.engine.spec import EngineSpec
 
 
@@ -76,8 +78,32 @@ class AppArgs(BaseModel):
         "downscale, `specdec serve` stopped) keeps generating for the requests it holds "
         "before they end with an error; new requests go elsewhere meanwhile."))
     api_key: str | None = Field(None, min_length=8, repr=False, description=(
-        "Required as `Authorization: Bearer KEY` on every route but a minimal /health. The "
-        "SPECDEC_API_KEY environment variable takes precedence (keep keys out of files)."))
+        "Required as `Authorization: Bearer KEY` on every route but a minimal /health; its "
+        "tenant is `default`. The SPECDEC_API_KEY environment variable takes precedence "
+        "(keep keys out of files)."))
+    api_keys: dict[str, str] = Field(default_factory=dict, repr=False, description=(
+        "Tenant name -> its key (each at least 8 characters): any of them is taken, and "
+        "with tenancy `api_key` (the default when keys are set) a request's caches are its "
+        "key's tenant's alone. SPECDEC_API_KEYS (`name=key,name=key` or a JSON object) "
+        "takes precedence."))
+    tenancy: Tenancy = Field("auto", description=(
+        "Whose prompts and replies a request may reuse (prefix caches) and be guessed from "
+        "(the suffix index); both show in a response's `cached_tokens` and speculation "
+        "counters. api_key: the key's tenant; header: the value of `tenant_header`, set by "
+        "a trusted gateway (required on every request); user: the OpenAI `user` field "
+        "(only behind a gateway that sets it; a request without one shares with nobody); "
+        "shared: everyone (one tenant). auto: api_key when keys are configured, else "
+        "shared (deployments/tenancy.py, docs/deploying.md \"Security\")."))
+    tenant_header: str = Field("x-tenant-id", min_length=1, pattern=r"^[A-Za-z0-9-]+$",
+                               description="The header naming the tenant (tenancy: header).")
+
+    @model_validator(mode="after")
+    def _keys_for_tenancy(self):
+        if self.tenancy == "api_key" and not (self.api_key or self.api_keys) and \
+                not os.environ.get("SPECDEC_API_KEY") and not os.environ.get("SPECDEC_API_KEYS"):
+            raise ValueError("tenancy: api_key needs API keys (api_key, api_keys, or "
+                             "SPECDEC_API_KEY / SPECDEC_API_KEYS in the environment)")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -86,6 +112,12 @@ class AppArgs(BaseModel):
             engine = {k: v for k, v in data.items() if k in EngineSpec.model_fields}
             return {**{k: v for k, v in data.items() if k not in engine}, "engine": engine}
         return data
+
+    def keys(self, environ=os.environ):
+        """The API keys this application takes (environment first), by tenant."""
+        from deployments.api_key import ApiKeys, api_key_from, api_keys_from
+        return ApiKeys(api_key_from(environ, self.api_key), api_keys_from(environ,
+                                                                            self.api_keys))
 
     def engine_max_ongoing(self) -> int:
         e = self.engine

@@ -1,14 +1,10 @@
 """An ASGI middleware that refuses bodies over a size with an OpenAI-shaped 413, before the
 body is read whole (a declared Content-Length is refused at once; a chunked body is
-counted as it arrives and cut off at the limit)."""
+counted as it arrives and answered 413 as soon as it passes the limit)."""
 
 from __future__ import annotations
 
 import json
-
-
-class BodyTooLarge(Exception):
-    pass
 
 
 class BodyLimit:
@@ -39,25 +35,33 @@ class BodyLimit:
                 except ValueError:
                     pass
         seen = 0
-        started = False
+        started = refused = False
 
         async def counting_receive():
-            nonlocal seen
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise BodyTooLarge()
+                if seen > self.max_bytes and not started:
+                    # Answered here, at once: the app sees the client gone (a parser that
+                    # caught an error here would have made it a 400).
+                    refused = True
+                    await self._refuse(send)
+                    return {"type": "http.disconnect"}
             return message
 
         async def tracking_send(message):
             nonlocal started
+            if refused:
+                return  # the 413 is the answer
             if message["type"] == "http.response.start":
                 started = True
             await send(message)
 
         try:
             await self.app(scope, counting_receive, tracking_send)
-        except BodyTooLarge:
-            if not started:
-                await self._refuse(send)
+        except Exception:
+            if not refused:
+                raise

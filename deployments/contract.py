@@ -25,8 +25,9 @@ class GenerateCall:
     stream: bool
     # The request field that asked for params.grammar: an error about it names that field.
     grammar_field: str | None = None
-    # The OpenAI `user` field: the suffix index's scope where that is per user.
-    user: str | None = None
+    # Whose request it is (deployments/tenancy.py): the engine's caches reuse only this
+    # tenant's tokens for it. None: the deployment's one shared tenant.
+    tenant: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

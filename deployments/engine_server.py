@@ -139,7 +139,7 @@ class EngineServer:
                                             call.params.grammar,
                                             call.grammar_field or "response_format")
                 req, decision = self.built.submit(rid, call.prompt_ids, call.params,
-                                                  call.speculative, self._deliver, call.user)
+                                                  call.speculative, self._deliver, call.tenant)
             except EngineError as exc:
                 kind = ErrorKind.TARGET_DOWN if isinstance(exc, TargetDown) else \
                     ErrorKind.CAPACITY if isinstance(exc, CapacityError) else ErrorKind.INVALID

@@ -14,7 +14,6 @@ Retry-After.
 
 import asyncio
 import concurrent.futures
-import hmac
 import json
 import logging
 import os
@@ -28,7 +27,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.api_key import api_key_from
+from deployments.api_key import RequireKey
 from deployments.app_config import AppArgs
 from deployments.body_limit import BodyLimit
 from deployments.contract import GenerateCall
@@ -56,6 +55,7 @@ from deployments.responses import (
     unavailable,
 )
 from deployments.startup import waiting_for
+from deployments.tenancy import TenantError, effective, tenant_of
 from deployments.tool_calls import ToolPlan, ToolRequestError, tool_plan
 from specdec.model.step.grammar import GrammarSpec, grammar_error
 from specdec.model.step.sampling import MIN_TEMPERATURE, SamplingParams
@@ -67,6 +67,7 @@ log = logging.getLogger("ray.serve")
 MAX_BODY_BYTES = 4 << 20  # a body beyond this is refused (413) before it is read whole
 api = FastAPI(title="specdec-serve", version="0.2.0", openapi_url=None)
 api.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+api.add_middleware(RequireKey)  # outermost: no body is read for a request without a key
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
 
 
@@ -127,7 +128,9 @@ class IngressServer:
         global _metrics
         _metrics = self.metrics
         self._replies = Replies(self.model_name, LogprobFormat(self.tokenizer), _count)
-        self.api_key = api_key_from(os.environ, self.args.api_key)
+        self.keys = self.args.keys(os.environ)
+        RequireKey.keys = self.keys
+        self.tenancy = effective(self.args.tenancy, bool(self.keys))
         self._health: tuple[float, dict] | None = None  # (when, the engine's answer)
         # One thread: tokenizers are not safe to share across threads, and the point is
         # only to keep the event loop free.
@@ -157,13 +160,19 @@ class IngressServer:
     # ---- request handling -----------------------------------------------------------------
 
     def _authorize(self, request: Request) -> bool:
-        """True when no key is configured or the request carries it (constant-time)."""
-        if not self.api_key:
-            return True
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode())
+        """True when no key is configured or the request carries one (constant-time)."""
+        return not self.keys or \
+            self.keys.tenant(request.headers.get("authorization", "")) is not None
+
+    def _tenant(self, request: Request, req, request_id: str) -> str | None:
+        """The request's tenant (deployments/tenancy.py): 400 naming the header when the
+        deployment takes it from a header the request lacks."""
+        key_tenant = request.scope.get("state", {}).get("tenant_key")
+        try:
+            return tenant_of(self.tenancy, key_tenant, request.headers,
+                             self.args.tenant_header, req.user, request_id)
+        except TenantError as exc:
+            raise APIError(400, str(exc), param=exc.param, code="tenant_required") from exc
 
     async def _check(self, request: Request, req) -> None:
         await self._check_model(request, req.model)
@@ -229,7 +238,7 @@ class IngressServer:
         if error:
             raise APIError(400, f"{field}: the grammar cannot be used: {error}", param=field)
 
-    def _prepare(self, req, prompt_ids: list[int], prompt_param: str,
+    def _prepare(self, request: Request, req, prompt_ids: list[int], prompt_param: str,
                  grammar: GrammarSpec | None = None,
                  grammar_field: str | None = None) -> GenerateCall:
         if not prompt_ids:
@@ -266,9 +275,11 @@ class IngressServer:
                                     logit_bias=req.logit_bias_pairs(), grammar=grammar)
         except ValueError as exc:  # the schema's bounds come first; this is the last guard
             raise APIError(400, str(exc)) from exc
-        return GenerateCall(uuid.uuid4().hex, prompt_ids, params,
+        request_id = uuid.uuid4().hex
+        return GenerateCall(request_id, prompt_ids, params,
                             Speculation(mode=spec.mode, method=spec.method, k=spec.k),
-                            bool(req.stream), grammar_field, req.user)
+                            bool(req.stream), grammar_field,
+                            self._tenant(request, req, request_id))
 
     def _check_ids(self, req) -> None:
         """Token ids a request names must be in the vocabulary: refused, naming the field."""
@@ -412,8 +423,8 @@ class Ingress(IngressServer):
                 raise APIError(400, f"prompt holds token ids outside the vocabulary "
                                     f"(0..{vocab - 1}): {bad[:5]}", param="prompt")
         grammar, field = await self._grammar(body)
-        return await self._respond(body, self._prepare(body, ids, "prompt", grammar, field),
-                                   chat=False)
+        return await self._respond(
+            body, self._prepare(request, body, ids, "prompt", grammar, field), chat=False)
 
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses=_ERRORS)
@@ -444,5 +455,5 @@ class Ingress(IngressServer):
             grammar, field = forced, "tools"
             await self._compiles(grammar, field)  # a tool's parameters schema it cannot use
         return await self._respond(
-            body, self._prepare(body, list(ids), "messages", grammar, field), chat=True,
+            body, self._prepare(request, body, list(ids), "messages", grammar, field), chat=True,
             tools=tools)

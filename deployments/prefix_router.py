@@ -52,6 +52,13 @@ def prompt_ids_of(pending_request) -> np.ndarray | None:
     return None if ids is None else np.asarray(ids, dtype=np.int64)
 
 
+def tenant_of(pending_request) -> str | None:
+    """The request's tenant: a replica's cache holds a prefix for that tenant only."""
+    if pending_request is None or not pending_request.args:
+        return None
+    return getattr(pending_request.args[0], "tenant", None)
+
+
 class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
     def initialize_state(self, remembered: int = 64, imbalance: int = 4,
                          min_match: int = MIN_MATCH) -> None:
@@ -70,11 +77,15 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
         self._done: set[str] = set()
         self._done_order: collections.deque = collections.deque()
 
-    def holder(self, ids: np.ndarray, candidates) -> tuple[object, int] | None:
-        """The candidate that was sent the longest prefix of ids, and its length."""
+    def holder(self, ids: np.ndarray, candidates, tenant: str | None = None
+               ) -> tuple[object, int] | None:
+        """The candidate that was sent the longest prefix of ids by `tenant` (the engine's
+        caches are partitioned by tenant), and its length."""
         best, length = None, self._min_match - 1
         for r in candidates:
-            for prompt in self._seen.get(r.replica_id, ()):
+            for owner, prompt in self._seen.get(r.replica_id, ()):
+                if owner != tenant:
+                    continue
                 n = common_prefix(ids, prompt)
                 if n > length:
                     best, length = r, n
@@ -110,7 +121,7 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
         ids = prompt_ids_of(pending_request)
         if ids is None or not fallback:
             return fallback
-        found = self.holder(ids, candidate_replicas)
+        found = self.holder(ids, candidate_replicas, tenant_of(pending_request))
         if found is None:
             return fallback
         cache = self._replica_queue_len_cache
@@ -132,7 +143,7 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
             self._in_flight[rid] = (replica_id, time.monotonic(), True)  # where it really went
         ids = prompt_ids_of(pending_request)
         if ids is not None and len(ids) >= self._min_match:
-            self._seen[replica_id].append(ids)
+            self._seen[replica_id].append((tenant_of(pending_request), ids))
 
     def on_request_completed(self, replica_id, internal_request_id) -> None:
         super().on_request_completed(replica_id, internal_request_id)

@@ -47,9 +47,11 @@ class RayDraftProposer:
         self.sender = ContextSender()
         self._released: list[str] = []
         # What the draft actor's slots hold, as far as this side can tell: the contexts it
-        # was sent, live and recently released (as many as it has slots). For pricing a
-        # first round's catch-up only; the actor decides its own reuse.
+        # was sent, live and recently released (as many as it has slots), with their
+        # tenants. For pricing a first round's catch-up only; the actor decides its own
+        # reuse (within a tenant, as this does).
         self._recent: collections.deque = collections.deque(maxlen=runtime.kv_slots())
+        self._tenants: dict[str, str | None] = {}  # live sequence -> its tenant
         self.prefix_stats: dict | None = None
         self._stats_base: dict = {}
         self._lock = threading.Lock()
@@ -81,6 +83,8 @@ class RayDraftProposer:
         if not self.available:
             raise DraftUnavailable("the draft group is being rebuilt")
         deltas = self.sender.encode(inputs)
+        for i in inputs:
+            self._tenants[i.seq_id] = i.tenant
         released, self._released = self._released, []
         blob = pack((deltas, released))
         try:
@@ -117,9 +121,13 @@ class RayDraftProposer:
         """Nothing to send: the draft sees from the next context which guesses were kept."""
 
     def release(self, seq_id: str) -> None:
+        """The sequence ended: the actor frees it with the next call, if it was ever sent
+        (a request that never drafted leaves nothing to release there)."""
         sent = self.sender.sent(seq_id)
-        if sent:
-            self._recent.append(np.asarray(sent, dtype=np.int64))
+        tenant = self._tenants.pop(seq_id, None)
+        if sent is None:
+            return
+        self._recent.append((tenant, np.asarray(sent, dtype=np.int64)))
         self.sender.forget(seq_id)
         self._released.append(seq_id)
 
@@ -137,12 +145,15 @@ class RayDraftProposer:
             if out.get("prompt_tokens") else None
         return out
 
-    def held_prefix(self, context: list[int]) -> int:
-        """The longest prefix of `context` among the contexts the actor was sent (live, and
-        the last ones released): about what its prefix cache will reuse."""
+    def held_prefix(self, context: list[int], tenant: str | None = None) -> int:
+        """The longest prefix of `context` among the contexts of `tenant` the actor was sent
+        (live, and the last ones released): about what its prefix cache will reuse."""
         ids = np.asarray(context, dtype=np.int64)
-        held = [np.asarray(c, dtype=np.int64) for c in self.sender.contexts()]
-        return max((common_prefix(ids, h) for h in held + list(self._recent)), default=0)
+        held = [np.asarray(self.sender.sent(s), dtype=np.int64)
+                for s, t in list(self._tenants.items())
+                if t == tenant and self.sender.sent(s) is not None]
+        held += [h for t, h in list(self._recent) if t == tenant]
+        return max((common_prefix(ids, h) for h in held), default=0)
 
     def _start_rebuild(self) -> None:
         with self._lock:

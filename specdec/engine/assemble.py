@@ -187,7 +187,7 @@ class AssembledEngine:
             raise CapacityError(f"speculative.method {wanted.method!r} is unavailable for now "
                                 "(its proposer is being rebuilt); retry, or leave method unset")
         draft = self.engine.proposers.get("draft")
-        catchup = len(prompt_ids) - draft_held_prefix(draft, prompt_ids) if draft else 0
+        catchup = len(prompt_ids) - draft_held_prefix(draft, prompt_ids, tenant) if draft else 0
         decision = self.policy.admit(self.engine.load(), methods, len(prompt_ids),
                                      params.max_tokens, bool(params.stop), wanted, catchup)
         # Plain for now, on standby (only `auto` without a pinned k gets one): it follows
@@ -232,7 +232,7 @@ def assemble(spec: EngineSpec, backend: Backend,
         if sx.enabled:
             proposers["suffix"] = SuffixProposer(sx.min_n, sx.max_n, sx.table_bits,
                                                  sx.spec_factor, sx.min_count, sx.shared,
-                                                 sx.plain_rows_k, sx.scope)
+                                                 sx.plain_rows_k)
         if draft_path is not None:
             phase("loading the draft model")
             proposers["draft"] = backend.draft(spec, draft_path)

@@ -290,7 +290,7 @@ class Engine:
         if draft is not None and req.method == "draft":
             # What the draft's own prefix cache holds of the prompt: its first round computes
             # only the rest.
-            seq.draft_seen = draft_held_prefix(draft, req.prompt_ids)
+            seq.draft_seen = draft_held_prefix(draft, req.prompt_ids, req.tenant)
         self.target.start_sequence(req.request_id, req.params)
         if choice.copy_from is not None:
             self.target.copy_prefix(choice.copy_from, choice.slot, choice.reuse)
@@ -303,7 +303,8 @@ class Engine:
         if len(self._running) < 2:
             return
         found = self.prefixes.source(seq.tokens[: seq.prompt_len], seq.cached,
-                                     self.scheduler.running_contents(but=seq))
+                                     self.scheduler.running_contents(but=seq),
+                                     seq.req.tenant)
         if found is None:
             return
         src, n = found

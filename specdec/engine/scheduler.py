@@ -80,7 +80,7 @@ class Scheduler:
                     return
                 req = self._waiting.popleft()
             choice = self.prefixes.choose(req.prompt_ids, self.free_slots,
-                                          self.running_contents())
+                                          self.running_contents(), req.tenant)
             self.free_slots.remove(choice.slot)
             self.running[req.request_id] = start(req, choice)
 

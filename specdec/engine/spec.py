@@ -107,16 +107,19 @@ class SuffixSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     enabled: bool = Field(True, description="Offer the `suffix` method (auto may choose it).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_scope(cls, data):
+        if isinstance(data, dict) and "scope" in data:
+            raise ValueError("suffix.scope is gone: the application's `tenancy` now "
+                             "partitions the suffix index and both prefix caches alike "
+                             "(tenancy: user is what scope: user was)")
+        return data
     shared: bool = Field(True, description=(
-        "Guess from other requests' prompts and outputs too (per replica); false: only the "
+        "Guess from other requests' prompts and outputs too (per replica; only the same "
+        "tenant's where the application has tenants, see `tenancy`); false: only the "
         "request's own context. Either way outputs never change, only speed."))
-    scope: Literal["replica", "user"] = Field("replica", description=(
-        "Whose prompts and outputs a request's guesses may come from: `replica`, every "
-        "request this replica served; `user`, only requests with the same OpenAI `user` "
-        "field (a request without one: its own context only). Set it where tenants must "
-        "not see each other's text in each other's speed; memory stays the same. Clients "
-        "set `user`: a gateway in front must set or overwrite it, and the prefix cache "
-        "still shares prompts across tenants (runtime.prefix_cache)."))
     min_n: int = Field(2, ge=1, description="Shortest n-gram matched.")
     max_n: int = Field(8, ge=1, le=32, description="Longest n-gram matched.")
     table_bits: int = Field(20, ge=8, le=26, description=(

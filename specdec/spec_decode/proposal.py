@@ -22,8 +22,8 @@ class ProposeInput:
     # step); its guess is not used. `catchup`: the tokens of it the draft had not seen.
     catchup_only: bool = False
     catchup: int = 0
-    # Who sent the request (the OpenAI `user` field): the suffix index's scope when it is
-    # scoped per user (suffix.py); None: nobody named.
+    # The tenant the request belongs to: the prefix caches and the suffix index reuse only
+    # its own tenant's tokens for it (None: a deployment with one tenant, all shared).
     tenant: str | None = None
 
 
@@ -65,10 +65,10 @@ class Proposer(Protocol):
     def release(self, seq_id: str) -> None: ...
 
 
-def draft_held_prefix(proposer, context: list[int]) -> int:
-    """Tokens of `context` a proposer's own cache holds (0 for proposers without one, or a
-    draft that is down)."""
+def draft_held_prefix(proposer, context: list[int], tenant: str | None = None) -> int:
+    """Tokens of `context` a proposer's own cache holds for `tenant` (0 for proposers
+    without one, or a draft that is down)."""
     held = getattr(proposer, "held_prefix", None)
     if held is None or not getattr(proposer, "available", True):
         return 0
-    return held(context)
+    return held(context, tenant)

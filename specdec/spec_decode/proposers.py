@@ -172,7 +172,7 @@ class DraftModelProposer:
             seed = None if inp.params.seed is None else inp.params.seed ^ 0x5EED
             running = {r.slot: np.asarray(r.held(), dtype=np.int64)
                        for r in self._seqs.values()}
-            choice = self.prefixes.choose(inp.context, self._free, running)
+            choice = self.prefixes.choose(inp.context, self._free, running, inp.tenant)
             self._free.remove(choice.slot)
             if choice.copy_from is not None:
                 copy = getattr(self.model, "copy_prefix", None)  # a tensor-parallel leader
@@ -192,12 +192,14 @@ class DraftModelProposer:
     def prefix_report(self) -> dict:
         return {**self.prefixes.stats.as_dict(), "held_tokens": self.prefixes.held_tokens()}
 
-    def held_prefix(self, context: list[int]) -> int:
-        """Tokens of `context` the draft would not have to compute if it started now: what
-        the policy prices a first round's catch-up by."""
+    def held_prefix(self, context: list[int], tenant: str | None = None) -> int:
+        """Tokens of `context` the draft would not have to compute if it started now for
+        `tenant`: what the policy prices a first round's catch-up by."""
         ids = np.asarray(context, dtype=np.int64)
-        slots = [self.prefixes.held(f) for f in self._free] + \
-            [np.asarray(r.held(), dtype=np.int64) for r in list(self._seqs.values())]
+        own = self.prefixes.tenant_of
+        slots = [self.prefixes.held(f) for f in self._free if own(f) == tenant] + \
+            [np.asarray(r.held(), dtype=np.int64) for r in list(self._seqs.values())
+             if own(r.slot) == tenant]
         return max((common_prefix(ids, h) for h in slots), default=0)
 
     def start_window(self, inputs: list[ProposeInput]) -> DraftWindow:

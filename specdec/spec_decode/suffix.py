@@ -18,12 +18,14 @@ Exact regardless: a guess is a one-hot proposal under the rejection rule, so wha
 index holds (another request's text, a hash collision) changes how many tokens a round
 keeps, never which tokens come out.
 
-Scoped (`scope: user`), each tenant (the OpenAI `user` field) has the table to itself in
-effect: its n-gram hashes are salted with a keyed hash of its name (the key a secret of the
-replica's), so a lookup for one tenant never matches what another fed (it would take a
-64-bit hash collision, and even that would only cost speed). A request that names no
-tenant guesses from its own context only. Tenants share the table's memory, so the bound
-stays the same, and one tenant's traffic can evict another's entries (speed, not text).
+Partitioned by tenant: each tenant has the table to itself in effect: its n-gram hashes
+are salted with a keyed hash of its name (the key a secret of the replica's), so a lookup
+for one tenant never matches what another fed (it would take a 64-bit hash collision, and
+even that would only cost speed). Without that, how many guesses a round made and kept
+(reported to the client) would tell one tenant whether another sent an n-gram. Requests
+without a tenant (a deployment with one) share the unsalted table. Tenants share the
+table's memory, so the bound stays the same, and one tenant's traffic can evict another's
+entries (speed, not text).
 """
 
 from __future__ import annotations
@@ -147,13 +149,10 @@ class SuffixProposer(NgramProposer):
 
     def __init__(self, min_n: int = 2, max_n: int = 8, bits: int = 20,
                  spec_factor: float = 2.0, min_count: int = 2, shared: bool = True,
-                 plain_rows_k: int = 0, scope: str = "replica") -> None:
+                 plain_rows_k: int = 0) -> None:
         super().__init__(min_n, max_n)
-        if scope not in ("replica", "user"):
-            raise ValueError(f"suffix scope must be 'replica' or 'user', not {scope!r}")
         self.index = SuffixIndex(min_n, max_n, bits)
         self.spec_factor, self.min_count, self.shared = spec_factor, min_count, shared
-        self.scope = scope
         self._salt_key = secrets.token_bytes(16)  # this replica's; the index is its own
         self.plain_rows_k = plain_rows_k  # free guesses a plainly decoding row may verify
         self._fed: dict[str, tuple[list[int], int]] = {}  # seq -> (context, tokens fed)
@@ -168,13 +167,11 @@ class SuffixProposer(NgramProposer):
         return out
 
     def _salt(self, tenant: str | None) -> int | None:
-        """The index scope a request reads and feeds: 0 the replica's, a tenant's salt, or
-        None (no index: the request's own context only)."""
+        """The index scope a request reads and feeds: 0 the shared one (no tenant), a
+        tenant's salt, or None (no index: the request's own context only)."""
         if not self.shared:
             return None
-        if self.scope == "replica":
-            return 0
-        return tenant_salt(tenant, self._salt_key) if tenant else None
+        return 0 if tenant is None else tenant_salt(tenant, self._salt_key)
 
     def propose_confident(self, inputs: list[ProposeInput]) -> list[Proposal]:
         """Guesses only from a match of at least SURE_N tokens, for rows that decode

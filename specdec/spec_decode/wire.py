@@ -29,6 +29,7 @@ class ContextDelta:
     new: list[int]
     k: int
     params: SamplingParams | None = None  # only in a sequence's first message
+    tenant: str | None = None             # likewise: whose prefixes the draft may reuse
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -54,7 +55,7 @@ class ContextSender:
             prev = self._sent.get(i.seq_id)
             ctx = list(i.context)
             if prev is None:
-                out.append(ContextDelta(i.seq_id, 0, ctx, i.k, i.params))
+                out.append(ContextDelta(i.seq_id, 0, ctx, i.k, i.params, i.tenant))
             else:
                 keep = common_prefix(prev, ctx)
                 out.append(ContextDelta(i.seq_id, keep, ctx[keep:], i.k))
@@ -82,6 +83,7 @@ class ContextReceiver:
     def __init__(self) -> None:
         self._ctx: dict[str, list[int]] = {}
         self._params: dict[str, SamplingParams] = {}
+        self._tenant: dict[str, str | None] = {}
         # Sequences whose context was cut back by the last decode, and to what length: the
         # proposer must drop cache entries past it (appending alone never invalidates).
         self.rewound: dict[str, int] = {}
@@ -92,6 +94,7 @@ class ContextReceiver:
         for d in deltas:
             if d.params is not None:
                 self._params[d.seq_id] = d.params
+                self._tenant[d.seq_id] = d.tenant
                 self._ctx[d.seq_id] = []
             ctx = self._ctx.get(d.seq_id)
             if ctx is None:
@@ -101,12 +104,14 @@ class ContextReceiver:
                 self.rewound[d.seq_id] = d.keep
                 del ctx[d.keep:]
             ctx.extend(d.new)
-            out.append(ProposeInput(d.seq_id, ctx, d.k, self._params[d.seq_id]))
+            out.append(ProposeInput(d.seq_id, ctx, d.k, self._params[d.seq_id],
+                                    tenant=self._tenant[d.seq_id]))
         return out
 
     def release(self, seq_id: str) -> None:
         self._ctx.pop(seq_id, None)
         self._params.pop(seq_id, None)
+        self._tenant.pop(seq_id, None)
 
 
 def pack(obj) -> bytes:

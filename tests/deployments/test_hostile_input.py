@@ -8,6 +8,7 @@ OpenAPI schema."""
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 import time
@@ -23,13 +24,16 @@ pytestmark = pytest.mark.integration
 
 KEY = "sk-test-0123456789"
 AUTH = {"authorization": f"Bearer {KEY}"}
+# Two more tenants (api_keys): the key above is tenant `default`'s.
+BOB, CAROL = ({"authorization": f"Bearer sk-{n}-0123456789"} for n in ("bob", "carol"))
 C, CH = "/v1/completions", "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
 def base(tiny_llama, tiny_llama_draft):
     with local_ray(num_cpus=4):
-        with serve_app(tiny_app_args(tiny_llama, tiny_llama_draft, api_key=KEY)) as url:
+        with serve_app(tiny_app_args(tiny_llama, tiny_llama_draft, api_key=KEY, api_keys={
+                "bob": "sk-bob-0123456789", "carol": "sk-carol-0123456789"})) as url:
             yield url
 
 
@@ -193,6 +197,21 @@ def test_other_methods_routes_and_content_types_are_refused_openai_style(base):
             assert r.json()["error"]["message"]
 
 
+def test_an_oversized_chunked_body_gets_413_and_the_service_serves_on(base):
+    """No Content-Length to refuse up front: the body is counted as it arrives."""
+    def chunks():
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(80):
+            yield b"w5 " * 20_000  # 60 kB a chunk, 4.8 MB in all
+        yield b'"}'
+
+    with httpx.Client(base_url=base, timeout=60) as client:
+        r = client.post(C, content=chunks(), headers={**AUTH,
+                                                      "content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert send(client, C, ok).status_code == 200
+
+
 def test_api_key_guards_v1_and_health_says_little_without_it(base):
     with httpx.Client(base_url=base, timeout=60) as client:
         for headers in ({}, {"authorization": "Bearer wrong-key-123"},
@@ -202,6 +221,11 @@ def test_api_key_guards_v1_and_health_says_little_without_it(base):
                       client.get("/v1/models", headers=headers)):
                 assert r.status_code == 401, r.text
                 assert r.json()["error"]["code"] == "invalid_api_key"
+        # The key is checked before the body is read: a stranger's malformed or huge body
+        # costs no parsing (it would be a 400 or 413 with the key).
+        for body in (b"{not json", b"[" * 100_000, b"x" * (5 << 20)):
+            r = client.post(C, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert client.get("/health").json() == {"status": "ok"}
         detailed = client.get("/health", headers=AUTH).json()
         assert detailed["status"] == "ok" and "engine" in detailed
@@ -262,3 +286,44 @@ def test_fuzzing_from_the_schema_finds_no_server_error(base):
     assert run.returncode == 0, out[-4000:]
     with httpx.Client(base_url=base, timeout=60) as client:
         assert send(client, C, ok).status_code == 200
+
+
+
+def _cached(client, headers, context: list[int], true_first: bool) -> list[int]:
+    """Per probe `context[:m] + [c, z]` (c the true next token or a wrong one, in the order
+    asked), the prompt tokens the response reports cached."""
+    seen = []
+    for m in (20, 40):  # inside the victim's prompt, inside its reply
+        pair = [context[m], 3 + (context[m] - 3 + 7) % 93]
+        for c in pair if true_first else pair[::-1]:
+            r = client.post(C, headers=headers, json={
+                "model": "tiny", "prompt": context[:m] + [c, 95], "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            seen.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    return seen
+
+
+def test_a_tenant_learns_nothing_of_anothers_prompt_or_reply_from_response_bodies(base):
+    """Tenants by API key. Alice (the `default` key) sends a prompt and gets a reply; Bob
+    and Carol probe them with a true next token against a wrong one, inside the prompt and
+    inside the reply, in either order. The `cached_tokens` they get back follow from their
+    own requests alone: the first probe of a context reuses nothing, each later one what
+    the tenant's own earlier probe left, whichever candidate is the true one. Alice's own
+    probes find her tokens (the channel exists within a tenant). The suffix index's
+    partition is tested on the engine (tests/engine/test_suffix_leads.py)."""
+    prompt = random.Random(53).sample(range(3, 95), 32)  # distinct tokens, no 95 among them
+    with httpx.Client(base_url=base, timeout=60) as client:
+        r = client.post(C, headers=AUTH, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 24, "ignore_eos": True,
+            "logprobs": 1, "speculative": {"mode": "off"}})  # plain requests are indexed too
+        assert r.status_code == 200, r.text
+        words = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 96)}}
+        context = prompt + [words[t] for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+        assert len(context) == 56, context
+        own = _cached(client, AUTH, context, true_first=True)  # before slots are reused
+        bob = _cached(client, BOB, context, true_first=True)
+        carol = _cached(client, CAROL, context, true_first=False)
+    # Each is what the tenant's own probes left: Carol's third probe continues her second
+    # (the true token at 20) by one token more than Bob's (a wrong one there).
+    assert bob == [0, 20, 20, 40] and carol == [0, 20, 21, 40], (bob, carol)
+    assert own == [21, 20, 41, 40], own  # her true next tokens: one more than the wrong

@@ -26,8 +26,8 @@ def _router(**kw) -> PrefixAffinityRouter:
     return router
 
 
-def _request(ids, rid="r"):
-    return types.SimpleNamespace(args=(types.SimpleNamespace(prompt_ids=ids),),
+def _request(ids, rid="r", tenant=None):
+    return types.SimpleNamespace(args=(types.SimpleNamespace(prompt_ids=ids, tenant=tenant),),
                                  metadata=types.SimpleNamespace(internal_request_id=rid))
 
 
@@ -43,6 +43,17 @@ def test_the_holder_is_the_replica_sent_the_longest_prefix():
         router.on_request_routed(_request([7] * 8 + [i]), "a", None)
     assert router.holder(np.arange(12), [a, b]) == (b, 6)
     assert prompt_ids_of(None) is None
+
+
+def test_a_prefix_is_followed_only_within_its_tenant():
+    """The engine's caches are partitioned by tenant: another tenant's prompt is no reason
+    to go to a replica (and where it goes must not depend on what others sent)."""
+    router = _router(min_match=4)
+    a, b = (types.SimpleNamespace(replica_id=n) for n in ("a", "b"))
+    router.on_request_routed(_request(list(range(10)), tenant="key:alice"), "a", None)
+    assert router.holder(np.arange(12), [a, b], "key:alice") == (a, 10)
+    assert router.holder(np.arange(12), [a, b], "key:bob") is None
+    assert router.holder(np.arange(12), [a, b]) is None
 
 
 def test_a_burst_counts_toward_the_holders_queue_before_serve_hears_of_it():

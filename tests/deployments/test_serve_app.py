@@ -38,9 +38,9 @@ def app_args(smollm2_path) -> dict:
             "runtime": {"max_slots": 8, "max_len": 512, "gloo_socket_ifname": "lo"},
             "max_waiting": 16, "default_max_tokens": 32, "replica_cpus": 0.1,
             "ingress_cpus": 0.1,
-            # The suffix index scoped per tenant (the OpenAI `user` field), as a deployment
-            # serving several would set it.
-            "suffix": {"scope": "user"}}
+            # Tenants by the OpenAI `user` field, as a deployment behind a gateway that sets
+            # it would run: the prefix caches and the suffix index partitioned by it.
+            "tenancy": "user"}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def server(smollm2_path, metrics_port):
 
 
 def complete(client, **body):
-    body = {"model": MODEL, **body}
+    body = {"model": MODEL, "user": "tests", **body}  # one tenant unless a test names one
     return client.post("/v1/completions", json=body)
 
 
@@ -115,7 +115,7 @@ def test_a_conversation_is_served_from_its_cached_history(server):
     for question in ("What is a list in Python?", "And a tuple?", "Which is faster?"):
         messages.append({"role": "user", "content": question})
         r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
-                                           temperature=0)
+                                           temperature=0, user="tests")
         cached.append(r.usage.prompt_tokens_details.cached_tokens)
         prompts.append(r.usage.prompt_tokens)
         messages.append({"role": "assistant", "content": r.choices[0].message.content})
@@ -328,7 +328,7 @@ def test_a_seeded_request_gives_the_same_tokens_every_time(server):
 def test_a_second_similar_request_speculates_from_the_first_ones_output(server):
     """Suffix speculation: a reply, once given, is guessed for the next request of the same
     user that asks for it (here the same prompt) from the replica's index, token-identical
-    to plain; another user's identical request is not guessed from it (scope: user)."""
+    to plain; another user's identical request is not guessed from it (tenancy: user)."""
     client, _ = server
     body = {"prompt": "List the planets of the solar system in order:", "max_tokens": 40,
             "temperature": 0, "ignore_eos": True}

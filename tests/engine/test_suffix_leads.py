@@ -133,12 +133,12 @@ def test_the_overlap_chooser_sees_steps_the_index_led(tiny_llama, tiny_llama_far
     assert observed > drafted, (observed, drafted)
 
 
-def test_scoped_per_user_another_tenants_repeat_is_drafted_and_says_the_same(
+def test_tenants_partition_the_index_and_the_prefix_caches_and_say_the_same(
         tiny_llama, tiny_llama_far_draft):
     prompt = random_prompts((12,), seed=44)[0]
     expected = plain_reference(tiny_llama, [prompt], 40)[0]
     engine = make_engine(tiny_llama, tiny_llama_far_draft, slots=8, limits=BIG_QUEUE,
-                         suffix=SuffixProposer(min_count=1, plain_rows_k=6, scope="user"))
+                         suffix=SuffixProposer(min_count=1, plain_rows_k=6))
     engine.choose_k = lambda eng, req, spec, running, **_: 2
 
     def ask(rid, tenant):
@@ -151,8 +151,14 @@ def test_scoped_per_user_another_tenants_repeat_is_drafted_and_says_the_same(
     assert first.token_ids == bob.token_ids == alice.token_ids == expected
     # Bob's request never sees Alice's answer: no more free guesses than her first had
     # (its own context only), drafted as hers was; her own repeat is guessed from the index.
-    assert bob.free_accepted <= first.free_accepted + 2, (bob, first)
+    # Bob's request goes exactly as Alice's first did, as if she had never sent it: the
+    # same free guesses (the counters a response reports), the same rounds.
+    assert (bob.free_guesses, bob.free_accepted, bob.spec.rounds, bob.spec.drafted) == \
+        (first.free_guesses, first.free_accepted, first.spec.rounds, first.spec.drafted)
     assert alice.free_accepted >= 20 and alice.spec.rounds < bob.spec.rounds / 2, (alice, bob)
+    # The target's prefix cache: Bob's prompt, Alice's exactly, reuses none of her K/V (the
+    # client would see it as cached_tokens); her own repeat reuses all but its last token.
+    assert bob.cached_tokens == 0 and alice.cached_tokens == len(prompt) - 1, (bob, alice)
 
 
 def _headed_engine(target, draft, slots=8, offered=2, k=4):

@@ -104,3 +104,29 @@ def test_a_few_shared_tokens_never_cost_another_conversation_its_slot():
     pc.release(second.slot, head + [20] * 60)
     again = pc.choose(head + [10] * 70, free=[0, 1, 2])
     assert again.slot == first.slot and again.reuse == 63
+
+
+def test_tenants_reuse_and_copy_only_their_own_slots():
+    """A slot remembers whose tokens it holds: another tenant's identical prompt reuses
+    nothing of it, held free or running, in place or by copy; the same tenant's does. No
+    tenant (a deployment with one) shares with no tenant."""
+    pc = PrefixCache(4)
+    prompt = list(range(100, 100 + 3 * COPY_MIN_TOKENS))
+    first = pc.choose(prompt, free=[0, 1, 2, 3], tenant="alice")
+    running = {first.slot: np.array(prompt)}
+    bob = pc.choose(prompt, free=[1, 2, 3], running=running, tenant="bob")
+    assert (bob.reuse, bob.copy_from) == (0, None)
+    alice = pc.choose(prompt, free=[2, 3], running=running, tenant="alice")
+    assert (alice.reuse, alice.copy_from) == (len(prompt) - 1, first.slot)
+    pc.release(first.slot, prompt)
+    # Held by a free slot now: Bob's next try finds nothing in place either.
+    again = pc.choose(prompt + [7], free=[first.slot, 3], tenant="bob")
+    assert again.reuse == 0 and again.copy_from is None
+    # A prefilling sequence copies only from its own tenant's running slots.
+    assert pc.source(prompt + [1], 0, {alice.slot: np.array(prompt)}, tenant="bob") is None
+    assert pc.source(prompt + [1], 0, {alice.slot: np.array(prompt)},
+                     tenant="alice") == (alice.slot, len(prompt))
+    shared = PrefixCache(2)
+    shared.choose(prompt, free=[0, 1])
+    shared.release(0, prompt)
+    assert shared.choose(prompt, free=[0, 1]).reuse == len(prompt) - 1

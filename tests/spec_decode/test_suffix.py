@@ -92,8 +92,8 @@ def test_forgetting_empties_the_index_and_a_running_row_is_fed_again_whole():
     assert p.index.lookup(done[:6], k=4)[0] == done[6:10]
 
 
-def test_scoped_per_user_a_tenant_guesses_only_from_its_own_requests():
-    p = SuffixProposer(min_n=2, max_n=6, min_count=1, scope="user", plain_rows_k=6)
+def test_a_tenant_guesses_only_from_its_own_requests():
+    p = SuffixProposer(min_n=2, max_n=6, min_count=1, plain_rows_k=6)
     done = list(range(400, 420))
     # Alice's finished request, observed as the engine does (whatever method served it).
     p.observe("a", done, "alice")
@@ -101,24 +101,20 @@ def test_scoped_per_user_a_tenant_guesses_only_from_its_own_requests():
     follow = [5, 6, 7] + done[:6]
     ask = lambda rid, who, k=4: ProposeInput(rid, follow, k, GREEDY, tenant=who)  # noqa: E731
     # Alice's next request continues her text; Bob's, with the same context, gets nothing
-    # from her (the salted hashes never meet), nor does a request naming nobody.
+    # from her (the salted hashes never meet), nor does a request of no tenant.
     assert p.propose([ask("b", "alice")])[0].token_ids == done[6:10]
     assert p.propose([ask("c", "bob")])[0].token_ids == []
     assert p.propose([ask("d", None)])[0].token_ids == []
-    # Free guesses (plainly decoding rows) follow the same scope.
+    # Free guesses (plainly decoding rows) follow the same partition.
     assert p.propose_confident([ask("e", "alice")])[0].token_ids == done[6:10]
     assert p.propose_confident([ask("f", "bob")])[0].token_ids == []
-    # A request naming nobody still has its own context (prompt lookup), and feeds nothing.
-    fed = p.index.fed_tokens
-    own = [9, 8, 7, 6, 5, 4, 3, 21, 9, 8, 7, 6, 5, 4]
-    assert p.propose([ProposeInput("g", own, 3, GREEDY)])[0].token_ids == [3, 21, 9]
-    assert p.index.fed_tokens == fed
-    # Bob's own text is his: once fed, he is guessed from it, and Alice is not.
+    # Bob's own text is his: once fed, he is guessed from it.
     p.observe("h", [1, 2] + done, "bob")
     assert p.propose([ask("i", "bob")])[0].token_ids == done[6:10]
     p.forget()
     assert p.propose([ask("j", "alice")])[0].token_ids == []
-    # The replica scope (default) shares across tenants: what `user` changes.
-    shared = SuffixProposer(min_n=2, max_n=6, min_count=1)
-    shared.observe("a", done, "alice")
-    assert shared.propose([ask("b", "bob")])[0].token_ids == done[6:10]
+    # No tenant (a deployment with one) is a partition of its own, shared by all such
+    # requests, and no tenant's lookups reach it.
+    p.observe("k", done, None)
+    assert p.propose([ask("l", None)])[0].token_ids == done[6:10]
+    assert p.propose([ask("m", "alice")])[0].token_ids == []

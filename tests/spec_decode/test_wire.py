@@ -39,6 +39,16 @@ def test_a_replaced_receiver_gets_everything_again():
     assert again[0].keep == 0 and fresh.decode(again)[0].context == [1, 2, 3, 4]
 
 
+def test_the_tenant_crosses_once_and_stays_with_the_sequence():
+    """The draft's own prefix cache reuses only the sequence's tenant's slots: it must know
+    the tenant on every later round, sent with the first message only."""
+    send, recv = ContextSender(), ContextReceiver()
+    first = send.encode([ProposeInput("a", [1, 2, 3], 2, P, tenant="key:alice")])
+    assert recv.decode(first)[0].tenant == "key:alice"
+    later = send.encode([ProposeInput("a", [1, 2, 3, 4], 2, P, tenant="key:alice")])
+    assert later[0].tenant is None and recv.decode(later)[0].tenant == "key:alice"
+
+
 def test_top_m_proposal_is_small_on_the_wire():
     vocab, k, m = 151_936, 4, 64
     full = torch.rand(k, vocab)

@@ -16,6 +16,12 @@ tokens recorded for it (only positions a forward wrote from those tokens, never 
 target rejected: the owner records the tokens its cache holds), and a token's K/V depend
 only on the tokens before it. Reusing them is recomputing them, minus the work.
 
+Partitioned by tenant: each slot remembers whose sequence it holds, and a sequence reuses or
+copies only what its own tenant's sequences left (None: a deployment with one tenant, where
+everyone shares). How much of a prompt was reused is reported to the client
+(`cached_tokens`), so sharing across tenants would tell one whether another's prompt or
+reply continues as a probe guesses.
+
 This is bookkeeping only: the caller owns the cache and does the copy (KVCache.copy_prefix).
 """
 
@@ -75,6 +81,7 @@ class PrefixCache:
         self.enabled = enabled
         self._held: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(num_slots)]
         self._used: list[int] = [0] * num_slots
+        self._tenant: list[str | None] = [None] * num_slots  # whose tokens each slot holds
         self._clock = itertools.count(1)
         self.stats = PrefixStats()
 
@@ -85,11 +92,15 @@ class PrefixCache:
         """Tokens kept by free slots (a running slot's own count lives with its sequence)."""
         return int(sum(len(h) for h in self._held))
 
-    def choose(self, tokens, free: list[int], running: dict[int, np.ndarray] | None = None
-               ) -> Choice:
-        """A free slot for a new sequence of `tokens`, and how much of them it starts with.
-        running: slot -> the tokens its cache holds now, for the slots in use. At least the
-        last token is always left to compute (its logits are the first output)."""
+    def tenant_of(self, slot: int) -> str | None:
+        return self._tenant[slot]
+
+    def choose(self, tokens, free: list[int], running: dict[int, np.ndarray] | None = None,
+               tenant: str | None = None) -> Choice:
+        """A free slot for a new sequence of `tokens` sent by `tenant`, and how much of them
+        it starts with (only from that tenant's slots). running: slot -> the tokens its
+        cache holds now, for the slots in use. At least the last token is always left to
+        compute (its logits are the first output)."""
         if not free:
             raise ValueError("no free slot")
         ids = np.asarray(tokens, dtype=np.int64)
@@ -100,46 +111,52 @@ class PrefixCache:
         # else the one used longest ago (never used: the lowest first).
         lru = min(free, key=lambda s: (len(self._held[s]) > 0, self._used[s], s))
         if not self.enabled or cap == 0:
-            return self._take(Choice(lru, 0), ids)
+            return self._take(Choice(lru, 0), ids, tenant)
+        free_own = [s for s in free if self._tenant[s] == tenant]
+        running_own = {s: h for s, h in (running or {}).items() if self._tenant[s] == tenant}
         # In place: a free slot whose content this sequence mostly continues (a
         # conversation's next turn). Taking one that only shares a few tokens (a chat
         # template's head) would throw away another conversation to save those few.
         best, reuse = lru, 0
-        for s in free:
+        for s in free_own:
             n = min(common_prefix(ids, self._held[s]), cap)
             continues = n >= IN_PLACE_SHARE * len(self._held[s])
             if continues and (n > reuse or (n == reuse and n and self._used[s] > self._used[best])):
                 best, reuse = s, n
         # Elsewhere: any slot, running or free, whose prefix is worth a copy.
         source, copied = None, 0
-        for s, held in [*((f, self._held[f]) for f in free), *(running or {}).items()]:
+        for s, held in [*((f, self._held[f]) for f in free_own), *running_own.items()]:
             n = min(common_prefix(ids, held), cap)
             if n > copied:
                 source, copied = s, n
         if source == lru and copied > reuse:
             # The slot given up holds the longest prefix itself: keeping that much of it costs
             # nothing more than giving it up.
-            return self._take(Choice(lru, copied), ids)
+            return self._take(Choice(lru, copied), ids, tenant)
         # A copy pays when it saves enough tokens, or when it is all of the prompt but its
         # last token (the same prompt again: what users expect to see as cached).
         worth = copied >= reuse + COPY_MIN_TOKENS or (copied == cap and copied > reuse)
         if source is not None and worth:
             # Into the slot given up: its content is the one least likely to be asked for.
-            return self._take(Choice(lru, copied, copy_from=source), ids)
+            return self._take(Choice(lru, copied, copy_from=source), ids, tenant)
         if reuse == 0:
-            return self._take(Choice(lru, 0), ids)
-        return self._take(Choice(best, reuse), ids)
+            return self._take(Choice(lru, 0), ids, tenant)
+        return self._take(Choice(best, reuse), ids, tenant)
 
-    def source(self, tokens, have: int, slots: dict[int, np.ndarray]) -> tuple[int, int] | None:
-        """A slot among `slots` (slot -> tokens it holds) holding a prefix of `tokens` longer
-        than `have` by COPY_MIN_TOKENS or more, and its length (capped at all but the last
-        token): where a sequence still prefilling can copy instead of compute."""
+    def source(self, tokens, have: int, slots: dict[int, np.ndarray],
+               tenant: str | None = None) -> tuple[int, int] | None:
+        """A slot of `tenant`'s among `slots` (slot -> tokens it holds) holding a prefix of
+        `tokens` longer than `have` by COPY_MIN_TOKENS or more, and its length (capped at
+        all but the last token): where a sequence still prefilling can copy instead of
+        compute."""
         if not self.enabled:
             return None
         ids = np.asarray(tokens, dtype=np.int64)
         cap = max(len(ids) - 1, 0)
         best = None
         for s, held in slots.items():
+            if self._tenant[s] != tenant:
+                continue
             n = min(common_prefix(ids, held), cap)
             if n >= have + COPY_MIN_TOKENS and (best is None or n > best[1]):
                 best = (s, n)
@@ -150,7 +167,7 @@ class PrefixCache:
         self.stats.copies += 1
         self.stats.tokens_reused += n_more
 
-    def _take(self, choice: Choice, ids: np.ndarray) -> Choice:
+    def _take(self, choice: Choice, ids: np.ndarray, tenant: str | None) -> Choice:
         old = self._held[choice.slot]
         kept = choice.reuse if choice.copy_from is None else 0
         if len(old) > kept:
@@ -163,6 +180,7 @@ class PrefixCache:
             self.stats.copies += choice.copy_from is not None
         self._held[choice.slot] = np.zeros(0, dtype=np.int64)  # in use: the caller's now
         self._used[choice.slot] = next(self._clock)
+        self._tenant[choice.slot] = tenant
         return choice
 
     def release(self, slot: int, tokens) -> None:
