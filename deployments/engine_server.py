@@ -7,6 +7,7 @@ specdec/policy/engine_policy.py) and reports the decision with the first chunk."
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -28,6 +29,9 @@ from specdec.engine.watchdog import Watchdog
 from specdec.errors import CapacityError, EngineError, ErrorKind, TargetDown
 
 log = logging.getLogger("ray.serve")
+# A grammar that takes longer than this to compile is refused (400); the replica's first
+# also builds the tokenizer's index for grammars (~3 s for a 151k vocabulary).
+GRAMMAR_COMPILE_S = 10.0
 
 
 class EngineServer:
@@ -58,6 +62,9 @@ class EngineServer:
         self.metrics = EngineMetrics()
         self.metrics.calibrated(self.built.calibration)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = {}
+        # Grammars compile on one thread of their own, off the loop that delivers every
+        # stream's tokens: a flood of large grammars queues behind itself, on one core.
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, "grammar")
         self._wake = threading.Event()
         self._stop = False
         self.watchdog = Watchdog(spec.runtime.watchdog_limit_s())
@@ -120,6 +127,21 @@ class EngineServer:
                        logprobs=out.new_logprobs if stream else out.logprobs)
         loop.call_soon_threadsafe(queue.put_nowait, chunk)
 
+    async def _check_grammar(self, call: GenerateCall) -> None:
+        """Compile the request's grammar (once per grammar text: cached, so a request's
+        other choices and later requests only look it up) on the grammar thread, waiting
+        at most GRAMMAR_COMPILE_S; the first one also builds the tokenizer's index
+        (seconds, once per replica)."""
+        field = call.grammar_field or "response_format"
+        job = asyncio.get_running_loop().run_in_executor(
+            self._grammar_pool, self.built.engine.check_grammar, call.params.grammar, field)
+        try:
+            await asyncio.wait_for(asyncio.shield(job), GRAMMAR_COMPILE_S)
+        except TimeoutError:
+            # It finishes on its thread and is cached: the same grammar again is quick.
+            raise EngineError(f"{field}: the grammar took more than {GRAMMAR_COMPILE_S:.0f} s "
+                              "to compile; simplify it", param=field) from None
+
     # ---- the API the ingress calls ----------------------------------------------------------
 
     async def generate(self, call: GenerateCall):
@@ -133,11 +155,7 @@ class EngineServer:
         try:
             try:
                 if call.params.grammar is not None:
-                    # Off the loop: the first grammar builds the tokenizer's index (seconds,
-                    # once per replica), and other requests' tokens keep flowing meanwhile.
-                    await asyncio.to_thread(self.built.engine.check_grammar,
-                                            call.params.grammar,
-                                            call.grammar_field or "response_format")
+                    await self._check_grammar(call)
                 req, decision = self.built.submit(rid, call.prompt_ids, call.params,
                                                   call.speculative, self._deliver, call.tenant)
             except EngineError as exc:

@@ -55,6 +55,7 @@ from deployments.responses import (
     unavailable,
 )
 from deployments.startup import waiting_for
+from deployments.structured_output import GrammarFieldError, sized
 from deployments.tenancy import TenantError, effective, tenant_of
 from deployments.tool_calls import ToolPlan, ToolRequestError, tool_plan
 from specdec.model.step.grammar import GrammarSpec, grammar_error
@@ -132,6 +133,7 @@ class IngressServer:
         RequireKey.keys = self.keys
         self.tenancy = effective(self.args.tenancy, bool(self.keys))
         self._health: tuple[float, dict] | None = None  # (when, the engine's answer)
+        self._health_asking: asyncio.Future | None = None  # the question in flight
         # One thread: tokenizers are not safe to share across threads, and the point is
         # only to keep the event loop free.
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, "tokenize")
@@ -207,6 +209,25 @@ class IngressServer:
             self._engine_seen = True
             log.info("an engine replica serves: the service is ready to take requests")
 
+    async def _engine_load(self) -> dict:
+        """The engine's state, asked at most once a second however many ask at once (a
+        public route must not make every actor answer per request): concurrent callers
+        that find it stale share one question to the engine."""
+        now = time.monotonic()
+        if self._health is not None and now - self._health[0] <= HEALTH_TTL_S:
+            return self._health[1]
+        if self._health_asking is None:
+            self._health_asking = asyncio.ensure_future(self._ask_engine_load())
+        return await asyncio.shield(self._health_asking)
+
+    async def _ask_engine_load(self) -> dict:
+        try:
+            load = await asyncio.wait_for(self.engine.load.remote(), timeout=5)
+            self._health = (time.monotonic(), load)
+            return load
+        finally:
+            self._health_asking = None
+
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
@@ -218,6 +239,16 @@ class IngressServer:
             raise APIError(400, f"{param} has {n_chars} characters; the context of "
                                 f"{self.max_len} tokens cannot hold more than about {limit}",
                            param=param, code="context_length_exceeded")
+
+    def _check_template_chars(self, body) -> None:
+        """The character cap over everything the chat template renders: message text, the
+        arguments of earlier tool calls and the tools' schemas (each could carry megabytes
+        into the template and the tokenizer)."""
+        messages = sum(len(m.text()) + sum(len(c.function.arguments) for c in m.tool_calls or ())
+                       for m in body.messages)
+        tools = sum(len(json.dumps(t.function.parameters or {})) +
+                    len(t.function.description or "") for t in body.tools or ())
+        self._check_chars(messages + tools, "tools" if tools > messages else "messages")
 
     async def _grammar(self, req) -> tuple[GrammarSpec | None, str | None]:
         """The reply's grammar and the field that gave it, compiled once here (off the event
@@ -352,14 +383,6 @@ class Ingress(IngressServer):
             return {"status": "ok"}
         return {"status": "ok", "model": self.model_name, "engine": load}
 
-    async def _engine_load(self) -> dict:
-        """The engine's state, asked at most once a second (a public route must not make
-        every actor answer per request)."""
-        now = time.monotonic()
-        if self._health is None or now - self._health[0] > HEALTH_TTL_S:
-            self._health = (now, await asyncio.wait_for(self.engine.load.remote(), timeout=5))
-        return self._health[1]
-
     @api.get("/openapi.json", include_in_schema=False)
     async def openapi(self) -> dict:
         return self.openapi_schema()
@@ -381,12 +404,12 @@ class Ingress(IngressServer):
             ids = (await self._off_loop(lambda: self.tokenizer(
                 body.prompt, add_special_tokens=body.add_special_tokens))).input_ids
         else:  # exactly as the chat route renders it: tool calls, tool results, tools
+            self._check_template_chars(body)
             try:
                 tools = tool_plan(body, self.tokenizer, self.args.model_name)
             except ToolRequestError as exc:
                 raise APIError(400, str(exc), param=exc.param) from exc
             messages = [m.for_template() for m in body.messages]
-            self._check_chars(sum(len(m["content"]) for m in messages), "messages")
             listed = tools.template_tools() if tools else None
             try:
                 ids = await self._off_loop(lambda: chat_ids(
@@ -430,12 +453,12 @@ class Ingress(IngressServer):
               responses=_ERRORS)
     async def chat(self, body: ChatCompletionRequest, request: Request):
         await self._check(request, body)
+        self._check_template_chars(body)
         try:
             tools = tool_plan(body, self.tokenizer, self.args.model_name)
         except ToolRequestError as exc:
             raise APIError(400, str(exc), param=exc.param) from exc
         messages = [m.for_template() for m in body.messages]
-        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         listed = tools.template_tools() if tools else None
 
         def template():
@@ -452,7 +475,10 @@ class Ingress(IngressServer):
             if grammar is not None:
                 raise APIError(400, "a required tool call and a response_format both "
                                     "constrain the reply: give one", param="tool_choice")
-            grammar, field = forced, "tools"
+            try:
+                grammar, field = sized(forced, "tools"), "tools"
+            except GrammarFieldError as exc:
+                raise APIError(400, str(exc), param="tools") from exc
             await self._compiles(grammar, field)  # a tool's parameters schema it cannot use
         return await self._respond(
             body, self._prepare(request, body, list(ids), "messages", grammar, field), chat=True,

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from specdec.model.step.grammar import GrammarSpec
 
 MAX_GRAMMAR_CHARS = 200_000  # a schema or grammar larger than this is not a reply format
+MAX_CHOICES = 1024
 
 
 class JsonSchemaFormat(BaseModel):
@@ -49,7 +50,9 @@ class StructuredOutputs(BaseModel):
     model_config = ConfigDict(extra="forbid")
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
-    choice: list[str] | None = Field(None, min_length=1, max_length=4096)
+    # The matcher holds every choice in one parser row (llguidance caps a row at 2000
+    # items: a longer list would compile and then fail at its first token).
+    choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
     grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
 
     @model_validator(mode="after")
@@ -71,15 +74,18 @@ def grammar_of(response_format: ResponseFormat | None,
         s = structured
         if s.json_ is not None:
             text = s.json_ if isinstance(s.json_, str) else json.dumps(s.json_)
-            return _sized(GrammarSpec("json_schema", text), "structured_outputs.json"), \
+            return sized(GrammarSpec("json_schema", text), "structured_outputs.json"), \
                 "structured_outputs.json"
         if s.regex is not None:
-            return GrammarSpec("regex", s.regex), "structured_outputs.regex"
+            return sized(GrammarSpec("regex", s.regex), "structured_outputs.regex"), \
+                "structured_outputs.regex"
         if s.choice is not None:
-            return GrammarSpec("choice", json.dumps(s.choice)), "structured_outputs.choice"
+            return sized(GrammarSpec("choice", json.dumps(s.choice)),
+                          "structured_outputs.choice"), "structured_outputs.choice"
         # llama.cpp's GBNF has rules `name ::= ...`; Lark writes `name: ...`.
         kind = "grammar" if "::=" in s.grammar else "lark"
-        return GrammarSpec(kind, s.grammar), "structured_outputs.grammar"
+        return sized(GrammarSpec(kind, s.grammar), "structured_outputs.grammar"), \
+            "structured_outputs.grammar"
     if response_format is None or response_format.type == "text":
         return None, "response_format"
     if response_format.type == "json_object":
@@ -88,7 +94,7 @@ def grammar_of(response_format: ResponseFormat | None,
     # No schema given: any JSON value would do, but a reply format means an object.
     text = json.dumps(schema if schema is not None else {"type": "object"})
     field = "response_format.json_schema.schema"
-    return _sized(GrammarSpec("json_schema", text), field), field
+    return sized(GrammarSpec("json_schema", text), field), field
 
 
 class GrammarFieldError(ValueError):
@@ -99,8 +105,11 @@ class GrammarFieldError(ValueError):
         self.field = field
 
 
-def _sized(spec: GrammarSpec, field: str) -> GrammarSpec:
+def sized(spec: GrammarSpec, field: str) -> GrammarSpec:
+    """Every kind of grammar is capped (a schema, a regex, a choice list as JSON, a grammar,
+    the forced tool call's): compiling it costs in proportion."""
     if len(spec.text) > MAX_GRAMMAR_CHARS:
-        raise GrammarFieldError(f"{field}: the schema has {len(spec.text)} characters; at "
+        raise GrammarFieldError(f"{field}: the grammar has {len(spec.text)} characters; at "
                                 f"most {MAX_GRAMMAR_CHARS}", field)
     return spec
+

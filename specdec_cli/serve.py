@@ -79,6 +79,15 @@ def ready_url(config: str) -> str:
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{http.get('port', 8000)}"
 
 
+def _say(out, message: str) -> None:
+    """A line for the user, never at the cost of the stop: on a closed terminal (SIGHUP, a
+    write that fails with EIO) the service is stopped all the same."""
+    try:
+        print(message, file=out, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
 def run_serve(config: str, grace_s: float = 90.0, announce_ready: bool = True,
               out=sys.stderr) -> int:
     child = subprocess.Popen(driver_command(config), start_new_session=True)
@@ -91,12 +100,12 @@ def run_serve(config: str, grace_s: float = 90.0, announce_ready: bool = True,
         if len(asked) == 1:
             since.append(time.monotonic())
             stopping.set()
-            print(f"specdec: {signal.Signals(signum).name}: stopping (Serve drains the "
-                  f"requests in flight; at most {grace_s:.0f} s)", file=out, flush=True)
-            child.send_signal(signal.SIGINT)
+            child.send_signal(signal.SIGINT)  # first: whatever happens to the message
+            _say(out, f"specdec: {signal.Signals(signum).name}: stopping (Serve drains the "
+                      f"requests in flight; at most {grace_s:.0f} s)")
         else:
-            print("specdec: second signal: killing", file=out, flush=True)
             kill_session(child.pid, grace_s=0.5)
+            _say(out, "specdec: second signal: killed")
 
     previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
     if announce_ready:
@@ -111,8 +120,8 @@ def run_serve(config: str, grace_s: float = 90.0, announce_ready: bool = True,
                 break
             except subprocess.TimeoutExpired:
                 if since and time.monotonic() - since[0] > grace_s:
-                    print(f"specdec: still running {grace_s:.0f} s after the stop: killing",
-                          file=out, flush=True)
+                    _say(out, f"specdec: still running {grace_s:.0f} s after the stop: "
+                              "killing")
                     kill_session(child.pid)
     finally:
         for s, handler in previous.items():
@@ -124,12 +133,10 @@ def run_serve(config: str, grace_s: float = 90.0, announce_ready: bool = True,
         time.sleep(0.2)
     left = kill_session(child.pid)
     if left:
-        print(f"specdec: ended {len(left)} leftover process(es) of the service", file=out,
-              flush=True)
+        _say(out, f"specdec: ended {len(left)} leftover process(es) of the service")
     if not asked:
         return status if status >= 0 else 128 - status
     clean = status == 0 and not left
-    print("specdec: stopped" if clean else f"specdec: stopped uncleanly (status {status})",
-          file=out, flush=True)
+    _say(out, "specdec: stopped" if clean else f"specdec: stopped uncleanly (status {status})")
     return 0 if clean else 1
 

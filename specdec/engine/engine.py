@@ -252,10 +252,18 @@ class Engine:
                 outputs.append(self._finish(seq, "error", error=res.error,
                                             kind=ErrorKind.INTERNAL))
                 continue
-            settled = self._settled(seq, res, run.settled)
+            try:
+                settled = self._settled(seq, res, run.settled)
+                out = self._advance(seq, row, res, settled, row.seq_id in plan.free,
+                                    plan.heads.get(row.seq_id, 0))
+            except Exception as exc:  # noqa: BLE001 - this row's (its grammar, say) alone
+                log.exception("request %s failed applying its step", row.seq_id)
+                outputs.append(self._finish(seq, "error", error=f"internal error applying "
+                                            f"the step ({type(exc).__name__}: {exc})",
+                                            kind=ErrorKind.INTERNAL))
+                continue
             emitted += len(res.tokens) + (1 if settled else 0)
-            outputs.append(self._advance(seq, row, res, settled, row.seq_id in plan.free,
-                                         plan.heads.get(row.seq_id, 0)))
+            outputs.append(out)
         return emitted
 
     def _graph_builds(self) -> tuple[int, ...]:

@@ -62,10 +62,11 @@ class TargetResult:
     logprobs: list[TokenLogprob] | None = None
 
 NON_FINITE = "the model's values for this request became non-finite (NaN or infinity)"
+NO_TOKEN = "the request's grammar allows no token at this position"
 
 
-def _failed(seq_id: str) -> TargetResult:
-    return TargetResult(seq_id, [], 0, error=NON_FINITE)
+def _failed(seq_id: str, error: str = NON_FINITE) -> TargetResult:
+    return TargetResult(seq_id, [], 0, error=error)
 
 
 @dataclasses.dataclass
@@ -141,7 +142,11 @@ def verify_step(model: Decoder, cache: KVCache, rows: list[TargetRow],
         return _greedy_rows(chosen, raw.tolist(), deferred)
     logits = _processed(chosen, raw, params) if processed else raw
     if greedy:  # the argmax of the logits, as the model's argmax path takes it
-        best = torch.where(torch.isfinite(raw).all(-1), logits.argmax(-1), -1)
+        # -1: the model's values are not finite; -2: its controls (a grammar's mask) left
+        # no token. Either fails that row alone.
+        best = torch.where(torch.isfinite(raw).all(-1),
+                           torch.where(torch.isfinite(logits.amax(-1)), logits.argmax(-1), -2),
+                           -1)
         results = _greedy_rows(chosen, best.tolist(), deferred)
     else:
         results = _sample_rows(chosen, logits, params, generators, deferred)
@@ -200,7 +205,7 @@ def _greedy_rows(rows: list[TargetRow], best: list[int],
         target = best[off: off + n + 1]
         off += n + 1
         if min(target) < 0:
-            out.append(_failed(r.seq_id))
+            out.append(_failed(r.seq_id, NON_FINITE if -1 in target else NO_TOKEN))
             continue
         kept = 0
         while kept < n and guesses[kept] == target[kept]:

@@ -248,6 +248,42 @@ def test_a_prompt_beyond_any_context_is_refused_before_tokenizing(base):
         assert client.post(C, json=ok).status_code == 200
 
 
+def test_tools_and_tool_call_arguments_count_toward_the_character_cap(base):
+    """What the chat template renders besides message text (a tool's schema, an earlier
+    call's arguments) is refused on its length too, before templating and tokenizing."""
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description":
+                                                      "w5 " * 40} for i in range(300)}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": big}}
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": json.dumps(big)}}
+    with httpx.Client(base_url=base, timeout=60, headers=AUTH) as client:
+        for body, param in (({**chat, "tools": [tool]}, "tools"),
+                            ({**chat, "messages": [
+                                {"role": "user", "content": "w5"},
+                                {"role": "assistant", "tool_calls": [call]},
+                                {"role": "tool", "tool_call_id": "c1", "content": "w6"},
+                                {"role": "user", "content": "w7"}]}, "messages")):
+            r = client.post(CH, json=body)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == param, r.text[:300]
+            assert "characters" in err["message"], err
+        assert client.post(CH, json=chat).status_code == 200
+
+
+def test_every_kind_of_grammar_is_capped_before_it_compiles(base):
+    """A choice list, a regex and a grammar past the cap are refused on their length alone
+    (compiling one costs in proportion), naming the field."""
+    long = "w5 " * 70_000
+    with httpx.Client(base_url=base, timeout=60, headers=AUTH) as client:
+        for field, value in (("choice", ["w5 w6 " * 40] * 1000), ("regex", long),
+                             ("grammar", f'root ::= "{long}"')):
+            r = client.post(C, json={**ok, "structured_outputs": {field: value}})
+            err = r.json()["error"]
+            assert r.status_code == 400, r.text[:300]
+            assert err["param"] == f"structured_outputs.{field}", err
+            assert "characters" in err["message"], err
+
+
 def test_health_asks_the_engine_at_most_once_a_second(base):
     with httpx.Client(base_url=base, timeout=60, headers=AUTH) as client:
         first = client.get("/health").json()["engine"]["time"]

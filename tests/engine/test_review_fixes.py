@@ -108,6 +108,24 @@ def test_the_kernel_cache_refuses_directories_others_could_write(tmp_path, monke
         build._private_dir(mine)
 
 
+def test_the_kernel_cache_is_created_owner_only_under_a_group_writable_umask(tmp_path):
+    """Under umask 002 the parents the cache creates (~/.cache/specdec, say) would come out
+    group-writable and the cache be refused: the service would fall back to slower
+    formats. Created owner-only instead."""
+    import os
+
+    from specdec.model.formats.kernels import build
+
+    deep = tmp_path / "home" / ".cache" / "specdec" / "kernels"
+    old = os.umask(0o002)
+    try:
+        assert build._private_dir(deep) == deep
+    finally:
+        os.umask(old)
+    for d in (deep, deep.parent, deep.parent.parent, deep.parent.parent.parent):
+        assert d.stat().st_mode & 0o777 == 0o700, (d, oct(d.stat().st_mode))
+
+
 @pytest.mark.real_model
 def test_the_detokenizer_decodes_a_bounded_window_per_step(qwen_target_path):
     """Incremental: the text equals decoding the whole output, streamed deltas add up to it

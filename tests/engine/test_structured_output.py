@@ -228,3 +228,22 @@ def test_grammars_that_cannot_compile_are_named():
     assert "property name" in grammar_error(GrammarSpec("json_schema", "{not json"))
     assert grammar_error(GrammarSpec("regex", "[a-")) is not None
     assert grammar_error(GrammarSpec("grammar", "root ::= (")) is not None
+
+
+def test_a_grammar_compiles_once_however_many_sequences_use_it(smol):
+    """Every request and choice naming a grammar gets a copy of one matcher built for it
+    (the engine's check and each sequence's state alike); the longest choice list taken is
+    them, and its replies are each one of the choices."""
+    from deployments.structured_output import MAX_CHOICES
+    from specdec.model.step import grammar as g
+
+    choices = [f"option {i}" for i in range(MAX_CHOICES)]
+    spec = GrammarSpec("choice", json.dumps(choices))
+    engine = _engine(smol)
+    before = g._matcher_at_start.cache_info()
+    engine.check_grammar(spec)
+    outs = engine.run([Request(f"c{i}", smol["prompts"][i % len(smol["prompts"])],
+                               _params(spec, max_tokens=12), "none", 0) for i in range(6)])
+    after = g._matcher_at_start.cache_info()
+    assert after.misses - before.misses == 1 and after.hits - before.hits >= 6, after
+    assert all(o.text in choices for o in outs.values()), [o.text for o in outs.values()]

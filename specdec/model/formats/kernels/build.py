@@ -60,8 +60,17 @@ def _key(source: Path) -> str:
 def _private_dir(path: Path) -> Path:
     """`path`, created owner-only, refused if anyone else could have put code in it: a
     shared library found here is loaded into the process, so a directory owned by another
-    user, or writable by group or others, could hand us theirs."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    user, or writable by group or others, could hand us theirs. Directories it creates are
+    owner-only whatever the umask (under umask 002 a parent would otherwise come out
+    group-writable, and be refused)."""
+    missing = []
+    d = path
+    while not d.exists():
+        missing.append(d)
+        d = d.parent
+    for d in reversed(missing):
+        d.mkdir(exist_ok=True, mode=0o700)
+        os.chmod(d, 0o700)  # mkdir's mode is masked by the umask
     for d in (path, path.parent):
         st = d.stat()
         if st.st_uid != os.getuid():
