@@ -112,7 +112,12 @@ class RequireKey:
             if name == b"authorization":
                 auth = value.decode("latin-1")
         tenant = keys.tenant(auth)
-        if tenant is None and scope.get("path") not in PUBLIC_PATHS:
+        # The route as the app sees it: under a route prefix, Serve keeps the full path and
+        # sets root_path.
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):] or "/"
+        if tenant is None and path not in PUBLIC_PATHS:
             body = _unauthorized()
             await send({"type": "http.response.start", "status": 401,
                         "headers": [(b"content-type", b"application/json"),

@@ -5,6 +5,9 @@ counted as it arrives and answered 413 as soon as it passes the limit)."""
 from __future__ import annotations
 
 import json
+import logging
+
+log = logging.getLogger("ray.serve")
 
 
 class BodyLimit:
@@ -44,11 +47,13 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes and not started:
-                    # Answered here, at once: the app sees the client gone (a parser that
-                    # caught an error here would have made it a 400).
-                    refused = True
-                    await self._refuse(send)
+                if seen > self.max_bytes:
+                    # Answered here, at once (a parser that caught an error here would have
+                    # made it a 400); the app sees the client gone. After the app has begun
+                    # its answer, the body is cut off all the same.
+                    refused = not started
+                    if refused:
+                        await self._refuse(send)
                     return {"type": "http.disconnect"}
             return message
 
@@ -65,3 +70,4 @@ class BodyLimit:
         except Exception:
             if not refused:
                 raise
+            log.debug("a refused body's request ended with an error", exc_info=True)

@@ -32,6 +32,8 @@ log = logging.getLogger("ray.serve")
 # A grammar that takes longer than this to compile is refused (400); the replica's first
 # also builds the tokenizer's index for grammars (~3 s for a 151k vocabulary).
 GRAMMAR_COMPILE_S = 10.0
+# Grammars waiting for (or in) the compiler beyond this many: the next is refused (503).
+GRAMMAR_QUEUE = 4
 
 
 class EngineServer:
@@ -65,6 +67,7 @@ class EngineServer:
         # Grammars compile on one thread of their own, off the loop that delivers every
         # stream's tokens: a flood of large grammars queues behind itself, on one core.
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, "grammar")
+        self._grammar_jobs: list[concurrent.futures.Future] = []
         self._wake = threading.Event()
         self._stop = False
         self.watchdog = Watchdog(spec.runtime.watchdog_limit_s())
@@ -127,20 +130,39 @@ class EngineServer:
                        logprobs=out.new_logprobs if stream else out.logprobs)
         loop.call_soon_threadsafe(queue.put_nowait, chunk)
 
-    async def _check_grammar(self, call: GenerateCall) -> None:
-        """Compile the request's grammar (once per grammar text: cached, so a request's
-        other choices and later requests only look it up) on the grammar thread, waiting
-        at most GRAMMAR_COMPILE_S; the first one also builds the tokenizer's index
-        (seconds, once per replica)."""
+    async def _check_grammar(self, call: GenerateCall) -> object:
+        """Compile the request's grammar on the grammar thread (once per grammar text: it
+        is cached, so a request's other choices and later requests only look it up) and
+        return its start matcher. Refused when GRAMMAR_QUEUE grammars already wait (503),
+        or when its compile itself runs past GRAMMAR_COMPILE_S (400); one that has not
+        started when its request goes is taken off the queue."""
         field = call.grammar_field or "response_format"
-        job = asyncio.get_running_loop().run_in_executor(
-            self._grammar_pool, self.built.engine.check_grammar, call.params.grammar, field)
+        self._grammar_jobs = [j for j in self._grammar_jobs if not j.done()]
+        if len(self._grammar_jobs) >= GRAMMAR_QUEUE:
+            raise CapacityError("the grammar compiler is busy with other requests' grammars; "
+                                "retry shortly")
+        began: list[float] = []
+
+        def compile_it():
+            began.append(time.monotonic())
+            return self.built.engine.check_grammar(call.params.grammar, field)
+
+        job = self._grammar_pool.submit(compile_it)
+        self._grammar_jobs.append(job)
+        waiting = asyncio.wrap_future(job)
         try:
-            await asyncio.wait_for(asyncio.shield(job), GRAMMAR_COMPILE_S)
-        except TimeoutError:
-            # It finishes on its thread and is cached: the same grammar again is quick.
-            raise EngineError(f"{field}: the grammar took more than {GRAMMAR_COMPILE_S:.0f} s "
-                              "to compile; simplify it", param=field) from None
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(waiting), 0.25)
+                except TimeoutError:
+                    if began and time.monotonic() - began[0] > GRAMMAR_COMPILE_S:
+                        # It finishes on its thread and is cached: the same grammar again
+                        # is quick.
+                        raise EngineError(f"{field}: the grammar took more than "
+                                          f"{GRAMMAR_COMPILE_S:.0f} s to compile; simplify it",
+                                          param=field) from None
+        finally:
+            job.cancel()  # takes it off the queue only if it never started
 
     # ---- the API the ingress calls ----------------------------------------------------------
 
@@ -154,10 +176,12 @@ class EngineServer:
         self._queues[rid] = (loop, queue, call.stream)
         try:
             try:
+                start = None
                 if call.params.grammar is not None:
-                    await self._check_grammar(call)
+                    start = await self._check_grammar(call)
                 req, decision = self.built.submit(rid, call.prompt_ids, call.params,
-                                                  call.speculative, self._deliver, call.tenant)
+                                                  call.speculative, self._deliver, call.tenant,
+                                                  start)
             except EngineError as exc:
                 kind = ErrorKind.TARGET_DOWN if isinstance(exc, TargetDown) else \
                     ErrorKind.CAPACITY if isinstance(exc, CapacityError) else ErrorKind.INVALID

@@ -58,6 +58,7 @@ from deployments.startup import waiting_for
 from deployments.structured_output import GrammarFieldError, sized
 from deployments.tenancy import TenantError, effective, tenant_of
 from deployments.tool_calls import ToolPlan, ToolRequestError, tool_plan
+from specdec.errors import ConfigError
 from specdec.model.step.grammar import GrammarSpec, grammar_error
 from specdec.model.step.sampling import MIN_TEMPERATURE, SamplingParams
 from specdec.pack.hub import resolve
@@ -130,6 +131,11 @@ class IngressServer:
         _metrics = self.metrics
         self._replies = Replies(self.model_name, LogprobFormat(self.tokenizer), _count)
         self.keys = self.args.keys(os.environ)
+        if self.args.tenancy == "api_key" and not self.keys:
+            # The deploy-time check read the driver's environment; this is the replica's.
+            raise ConfigError("tenancy: api_key needs API keys, and this ingress replica has "
+                              "none (api_key, api_keys, or SPECDEC_API_KEY / "
+                              "SPECDEC_API_KEYS in its environment)")
         RequireKey.keys = self.keys
         self.tenancy = effective(self.args.tenancy, bool(self.keys))
         self._health: tuple[float, dict] | None = None  # (when, the engine's answer)
@@ -137,6 +143,9 @@ class IngressServer:
         # One thread: tokenizers are not safe to share across threads, and the point is
         # only to keep the event loop free.
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, "tokenize")
+        # Grammars are checked on a thread of their own: a large one (capped, a few hundred
+        # ms at most) never holds up other requests' tokenizing.
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, "grammar")
         self._openapi: dict | None = None
         # Whether an engine replica has answered since this ingress started: until one
         # does, every route but /openapi.json answers 503 saying what the service waits for.
@@ -265,7 +274,8 @@ class IngressServer:
         return spec, field
 
     async def _compiles(self, spec: GrammarSpec, field: str) -> None:
-        error = await self._off_loop(grammar_error, spec)
+        error = await asyncio.get_running_loop().run_in_executor(self._grammar_pool,
+                                                                 grammar_error, spec)
         if error:
             raise APIError(400, f"{field}: the grammar cannot be used: {error}", param=field)
 

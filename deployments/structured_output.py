@@ -112,4 +112,3 @@ def sized(spec: GrammarSpec, field: str) -> GrammarSpec:
         raise GrammarFieldError(f"{field}: the grammar has {len(spec.text)} characters; at "
                                 f"most {MAX_GRAMMAR_CHARS}", field)
     return spec
-

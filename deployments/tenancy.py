@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from specdec.spec_decode.proposal import ALONE
+
 Tenancy = Literal["auto", "shared", "api_key", "header", "user"]
 MAX_TENANT_CHARS = 256
 
@@ -55,4 +57,4 @@ def tenant_of(tenancy: Tenancy, key_tenant: str | None, headers, header: str,
         return f"header:{value.strip()}"
     if user:
         return f"user:{user}"
-    return f"request:{request_id}"  # names nobody: shares with nobody
+    return f"{ALONE}{request_id}"  # names nobody: shares with nobody

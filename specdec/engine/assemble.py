@@ -174,7 +174,8 @@ class AssembledEngine:
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                wanted: Speculation | None = None, on_output=None,
-               tenant: str | None = None) -> tuple[Request, Decision]:
+               tenant: str | None = None, grammar_start: object | None = None
+               ) -> tuple[Request, Decision]:
         """Decide this request's speculation from the engine's own load (the policy), then
         queue it: the path every served request takes. Raises EngineError (a bad override)
         or CapacityError (queue full)."""
@@ -195,7 +196,7 @@ class AssembledEngine:
         # plain rows it could have matched.
         method = decision.standby or decision.method
         req = Request(request_id, prompt_ids, params, method, decision.k, on_output,
-                      speculation=wanted, tenant=tenant)
+                      speculation=wanted, tenant=tenant, grammar_start=grammar_start)
         self.engine.add_request(req)
         return req, decision
 

@@ -97,26 +97,28 @@ class Engine:
             raise EngineError(
                 f"prompt ({n} tokens) + max_tokens ({m}) exceeds the context limit of {limit} "
                 "tokens", param="max_tokens")
-        if req.params.grammar is not None:
-            self.check_grammar(req.params.grammar)
+        if req.params.grammar is not None and req.grammar_start is None:
+            req.grammar_start = self.check_grammar(req.params.grammar)
         if req.method != "none" and req.k > 0 and req.method not in self.proposers:
             raise EngineError(f"speculation method {req.method!r} is not available; "
                               f"available: {sorted(self.proposers) or 'none'}")
         self.scheduler.enqueue(req)
 
-    def check_grammar(self, grammar: GrammarSpec, param: str = "response_format") -> None:
+    def check_grammar(self, grammar: GrammarSpec, param: str = "response_format") -> object:
         """A grammar the engine can run: it needs the tokenizer (a token's text), and it
         must compile against it (a grammar may name token ids this vocabulary lacks). The
-        first one also builds the tokenizer's index (seconds, once). Errors name `param`,
-        the request field that gave the grammar."""
+        first one also builds the tokenizer's index (seconds, once). Returns its matcher at
+        the start (for Request.grammar_start). Errors name `param`, the request field that
+        gave the grammar."""
         if self.tokenizer is None:
             raise EngineError("structured output needs the model's tokenizer", param=param)
         error = grammar_error(grammar)
         if error:
             raise EngineError(f"{param}: the grammar cannot be used: {error}", param=param)
         try:
-            GrammarState(grammar, self.tokenizer, self.vocab_size,
-                         tuple(self.eos_ids)).guesses_and_masks([])
+            state = GrammarState(grammar, self.tokenizer, self.vocab_size, tuple(self.eos_ids))
+            state.guesses_and_masks([])
+            return state.start
         except ValueError as exc:
             raise EngineError(f"{param}: the grammar cannot be used with this model's "
                               f"tokenizer: {exc}", param=param) from exc
@@ -293,7 +295,7 @@ class Engine:
             seq.detok = Detokenizer(self.tokenizer, req.params.stop)
         if req.params.grammar is not None:
             seq.grammar = GrammarState(req.params.grammar, self.tokenizer, self.vocab_size,
-                                       tuple(self.eos_ids))
+                                       tuple(self.eos_ids), start=req.grammar_start)
         draft = self.proposers.get("draft")
         if draft is not None and req.method == "draft":
             # What the draft's own prefix cache holds of the prompt: its first round computes

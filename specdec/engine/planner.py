@@ -355,7 +355,8 @@ def _prefill_catchups(prefill: list[Seq], rows: list[TargetRow], overlapped: boo
         if not overlapped and not (seq.req.speculation.on or seq.req.k > 0):
             continue
         out.append(ProposeInput(seq.req.request_id, seq.tokens[:end], 1, seq.req.params,
-                                catchup_only=True, catchup=end - seq.draft_seen))
+                                catchup_only=True, catchup=end - seq.draft_seen,
+                                tenant=seq.req.tenant))
         seq.draft_seen = end
     return out
 

@@ -28,8 +28,12 @@ class Request:
     # What the caller asked of speculation: what it fixed, the policy may not revisit.
     speculation: Speculation = AUTO
     arrival: float = 0.0             # time.monotonic() when the engine took it (set there)
-    # Who sent it (the OpenAI `user` field): scopes the suffix index where that is per user.
+    # Whose it is: the prefix caches and the suffix index reuse only this tenant's tokens
+    # for it (None: the deployment's one shared tenant).
     tenant: str | None = None
+    # Its grammar's matcher at the start, compiled when the request was checked (off the
+    # engine's thread): a sequence starts from a copy of it (specdec/model/step/grammar.py).
+    grammar_start: object | None = None
 
     @classmethod
     def pinned(cls, request_id: str, prompt_ids: list[int], params: SamplingParams,

@@ -12,6 +12,11 @@ from specdec.model.step.sampling import SamplingParams
 from specdec.spec_decode.calls import CallStats
 
 
+# A tenant named with this prefix is one request's alone (it names nobody): it shares with
+# no other request, and nothing is kept for it that no later request could use.
+ALONE = "alone:"
+
+
 @dataclasses.dataclass
 class ProposeInput:
     seq_id: str

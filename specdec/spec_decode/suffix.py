@@ -35,7 +35,7 @@ import secrets
 
 import numpy as np
 
-from specdec.spec_decode.proposal import Proposal, ProposeInput
+from specdec.spec_decode.proposal import ALONE, Proposal, ProposeInput
 from specdec.spec_decode.proposers import NgramProposer
 
 _P = np.uint64(0x9E3779B97F4A7C15)  # an odd multiplier: the polynomial hash's base
@@ -168,8 +168,9 @@ class SuffixProposer(NgramProposer):
 
     def _salt(self, tenant: str | None) -> int | None:
         """The index scope a request reads and feeds: 0 the shared one (no tenant), a
-        tenant's salt, or None (no index: the request's own context only)."""
-        if not self.shared:
+        tenant's salt, or None (no index: the request's own context only; also for a
+        request that is its own tenant, whose entries nobody could ever read)."""
+        if not self.shared or (tenant is not None and tenant.startswith(ALONE)):
             return None
         return 0 if tenant is None else tenant_salt(tenant, self._salt_key)
 

@@ -149,7 +149,7 @@ def verify_step(model: Decoder, cache: KVCache, rows: list[TargetRow],
                            -1)
         results = _greedy_rows(chosen, best.tolist(), deferred)
     else:
-        results = _sample_rows(chosen, logits, params, generators, deferred)
+        results = _sample_rows(chosen, logits, params, generators, deferred, raw)
     return _with_logprobs(chosen, results, raw, params) if wants_lp else results
 
 
@@ -221,7 +221,7 @@ def _greedy_rows(rows: list[TargetRow], best: list[int],
 def _sample_rows(rows: list[TargetRow], logits: torch.Tensor,
                  params: dict[str, SamplingParams],
                  generators: dict[str, torch.Generator],
-                 deferred: dict | None) -> list[TargetResult]:
+                 deferred: dict | None, raw: torch.Tensor | None = None) -> list[TargetResult]:
     """The rejection rule at a fixed [R, k+1] shape on the logits' device. Its inputs (the
     guesses, q, the uniforms, whose positions are whose) are built on the host from what it
     already holds and cross to the device once; the verdicts come back in ONE copy, so a step
@@ -271,16 +271,19 @@ def _sample_rows(rows: list[TargetRow], logits: torch.Tensor,
         best = choice[torch.arange(R, device=dev), n_d]
     else:
         best = torch.zeros(R, dtype=torch.long, device=dev)
-    # A row whose logits went non-finite fails alone (its flag rides in the same copy).
-    finite = torch.isfinite(logits.amax(-1))[at_d].all(-1).to(out.dtype)  # (amax keeps NaN)
-    packed = torch.cat([out, emitted.unsqueeze(1), best.unsqueeze(1), finite.unsqueeze(1)],
+    # A row whose model values went non-finite (1), or whose controls (a grammar's mask)
+    # left no token (2), fails alone; its flag rides in the same copy. (amax keeps NaN.)
+    usable = torch.isfinite(logits.amax(-1))[at_d].all(-1)
+    finite = usable if raw is None else torch.isfinite(raw.amax(-1))[at_d].all(-1)
+    failed = torch.where(finite, torch.where(usable, 0, 2), 1).to(out.dtype)
+    packed = torch.cat([out, emitted.unsqueeze(1), best.unsqueeze(1), failed.unsqueeze(1)],
                        1).tolist()  # the copy
     results = []
     for b, r in enumerate(rows):
         n, kept = r.num_draft, packed[b][: k + 1]
         emitted_b, best_b = packed[b][k + 1], packed[b][k + 2]
-        if not packed[b][k + 3]:
-            results.append(_failed(r.seq_id))
+        if packed[b][k + 3]:
+            results.append(_failed(r.seq_id, NON_FINITE if packed[b][k + 3] == 1 else NO_TOKEN))
             continue
         if r.defer_last and emitted_b == n + 1 and deferred is not None:
             # All kept: keep p at the next position instead of the bonus drawn from it.

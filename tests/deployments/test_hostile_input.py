@@ -324,7 +324,6 @@ def test_fuzzing_from_the_schema_finds_no_server_error(base):
         assert send(client, C, ok).status_code == 200
 
 
-
 def _cached(client, headers, context: list[int], true_first: bool) -> list[int]:
     """Per probe `context[:m] + [c, z]` (c the true next token or a wrong one, in the order
     asked), the prompt tokens the response reports cached."""

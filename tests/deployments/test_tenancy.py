@@ -79,18 +79,64 @@ def test_the_draft_groups_client_prices_and_releases_within_a_tenant():
     from specdec.spec_decode.proposal import ProposeInput
     from specdec.spec_decode.wire import ContextSender
 
+    import types
+
     draft = RayDraftProposer.__new__(RayDraftProposer)  # the bookkeeping, not the group
     draft.sender, draft._released, draft._tenants = ContextSender(), [], {}
     draft._recent = collections.deque(maxlen=4)
+    draft._rebuilding, draft.last_call = False, None
+    sent = []
+    draft.group = types.SimpleNamespace(actors=[object()],
+                                        submit=lambda method, blob, *extra: sent.append(blob))
     for i in range(1000):
         draft.release(f"plain-{i}")
     assert draft._released == [] and not draft._tenants
     inp = ProposeInput("a", list(range(3, 40)), 2, SamplingParams(), tenant="key:alice")
-    draft.sender.encode([inp])
-    draft._tenants["a"] = inp.tenant
+    draft._submit("draft_propose", [inp])  # what a round sends the group
     assert draft.held_prefix(list(range(3, 30)) + [1], "key:alice") == 27
     assert draft.held_prefix(list(range(3, 30)) + [1], "key:bob") == 0
     draft.release("a")
     assert draft._released == ["a"] and len(draft._recent) == 1
     assert draft.held_prefix(np.arange(3, 30).tolist(), "key:alice") == 27
     assert draft.held_prefix(np.arange(3, 30).tolist(), "key:bob") == 0
+
+
+def _asgi(path: str, headers: dict, root_path: str = ""):
+    """A request through RequireKey: (status, whether the app read the body)."""
+    import asyncio
+
+    from deployments.api_key import RequireKey
+
+    seen = {"read": False, "status": None}
+
+    async def app(scope, receive, send):
+        seen["read"] = True
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def receive():
+        return {"type": "http.request", "body": b"{not json", "more_body": False}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            seen["status"] = message["status"]
+
+    scope = {"type": "http", "path": root_path + path, "root_path": root_path,
+             "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
+    asyncio.run(RequireKey(app)(scope, receive, send))
+    return seen["status"], seen["read"]
+
+
+def test_the_key_is_checked_from_the_headers_before_the_body_is_read(monkeypatch):
+    from deployments.api_key import RequireKey
+
+    monkeypatch.setattr(RequireKey, "keys", ApiKeys(None, {"alice": A}))
+    assert _asgi("/v1/completions", {}) == (401, False)
+    assert _asgi("/v1/completions", {"authorization": "Bearer nope-nope-nope"}) == (401, False)
+    assert _asgi("/v1/completions", {"authorization": f"Bearer {A}"}) == (200, True)
+    # /health and the schema stay public, under a route prefix too.
+    for root in ("", "/llm"):
+        assert _asgi("/health", {}, root) == (200, True)
+        assert _asgi("/openapi.json", {}, root) == (200, True)
+        assert _asgi("/v1/models", {}, root) == (401, False)

@@ -145,8 +145,11 @@ def test_tenants_partition_the_index_and_the_prefix_caches_and_say_the_same(
         req = dataclasses.replace(Request(rid, prompt, greedy(40), "draft", 2), tenant=tenant)
         return engine.run([req])[rid]
 
+    reused = engine.proposers["draft"].prefixes.stats  # the draft's own prefix cache
     first = ask("first", "alice")
+    before = (reused.lookups, reused.tokens_reused)
     bob = ask("bob", "bob")
+    bobs_draft = (reused.lookups - before[0], reused.tokens_reused - before[1])
     alice = ask("alice", "alice")
     assert first.token_ids == bob.token_ids == alice.token_ids == expected
     # Bob's request never sees Alice's answer: no more free guesses than her first had
@@ -159,6 +162,9 @@ def test_tenants_partition_the_index_and_the_prefix_caches_and_say_the_same(
     # The target's prefix cache: Bob's prompt, Alice's exactly, reuses none of her K/V (the
     # client would see it as cached_tokens); her own repeat reuses all but its last token.
     assert bob.cached_tokens == 0 and alice.cached_tokens == len(prompt) - 1, (bob, alice)
+    # The draft's cache likewise (its catch-up of the prompt included): Bob's sequence
+    # started there and reused nothing of Alice's.
+    assert bobs_draft == (1, 0), bobs_draft
 
 
 def _headed_engine(target, draft, slots=8, offered=2, k=4):

@@ -118,3 +118,9 @@ def test_a_tenant_guesses_only_from_its_own_requests():
     p.observe("k", done, None)
     assert p.propose([ask("l", None)])[0].token_ids == done[6:10]
     assert p.propose([ask("m", "alice")])[0].token_ids == []
+    # A request that is its own tenant (it names nobody) reads and feeds nothing: its
+    # entries could never be read by another request.
+    fed = p.index.fed_tokens
+    assert p.propose([ask("n", "alone:n")])[0].token_ids == []
+    p.observe("n", [7, 7] + done, "alone:n")
+    assert p.index.fed_tokens == fed

@@ -101,10 +101,14 @@ class GrammarState:
     """One sequence's matcher, at the tokens emitted so far."""
 
     def __init__(self, spec: GrammarSpec, tokenizer, n_vocab: int,
-                 eos_ids: tuple[int, ...]) -> None:
-        self._ll = _ll_tokenizer(tokenizer, n_vocab, tuple(sorted(eos_ids)))
+                 eos_ids: tuple[int, ...], start: object | None = None) -> None:
+        """start: the grammar's matcher at the start, when the caller holds it (compiled
+        when the request was checked); else it is looked up, or built, here."""
         self.n_vocab = n_vocab
-        start = _matcher_at_start(spec, self._ll)
+        if start is None:
+            start = _matcher_at_start(spec, _ll_tokenizer(tokenizer, n_vocab,
+                                                          tuple(sorted(eos_ids))))
+        self.start = start
         with _copying:
             self.matcher = start.deep_copy()
 
