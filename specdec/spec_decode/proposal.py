@@ -11,7 +11,6 @@ import torch
 from specdec.model.step.sampling import SamplingParams
 from specdec.spec_decode.calls import CallStats
 
-
 # A tenant named with this prefix is one request's alone (it names nobody): it shares with
 # no other request, and nothing is kept for it that no later request could use.
 ALONE = "alone:"

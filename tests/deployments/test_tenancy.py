@@ -71,6 +71,7 @@ def test_the_draft_groups_client_prices_and_releases_within_a_tenant():
     the tenant's own contexts only; a sequence that never drafted leaves nothing queued for
     release (traffic that never drafts would grow that list without bound)."""
     import collections
+    import types
 
     import numpy as np
 
@@ -78,8 +79,6 @@ def test_the_draft_groups_client_prices_and_releases_within_a_tenant():
     from specdec.model.step.sampling import SamplingParams
     from specdec.spec_decode.proposal import ProposeInput
     from specdec.spec_decode.wire import ContextSender
-
-    import types
 
     draft = RayDraftProposer.__new__(RayDraftProposer)  # the bookkeeping, not the group
     draft.sender, draft._released, draft._tenants = ContextSender(), [], {}
