@@ -47,6 +47,7 @@ from deployments.openai_responses import (
     CompletionResponse,
     ErrorResponse,
 )
+from deployments.priority import background_priority
 from deployments.responses import (
     RETRY_AFTER_S,
     Replies,
@@ -145,7 +146,8 @@ class IngressServer:
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, "tokenize")
         # Grammars are checked on a thread of their own: a large one (capped, a few hundred
         # ms at most) never holds up other requests' tokenizing.
-        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, "grammar")
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
+            1, "grammar", initializer=background_priority)
         self._openapi: dict | None = None
         # Whether an engine replica has answered since this ingress started: until one
         # does, every route but /openapi.json answers 503 saying what the service waits for.
