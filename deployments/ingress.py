@@ -48,6 +48,7 @@ from deployments.openai_responses import (
     ErrorResponse,
 )
 from deployments.priority import background_priority
+from deployments.prompt_size import check_chars, check_template_chars
 from deployments.responses import (
     RETRY_AFTER_S,
     Replies,
@@ -116,7 +117,6 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 # The most characters a token of any tokenizer here spans (runs of spaces and repeated
 # symbols included), generously: the character cap is the context times this.
-CHARS_PER_TOKEN = 64
 HEALTH_TTL_S = 1.0
 
 
@@ -243,23 +243,10 @@ class IngressServer:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     def _check_chars(self, n_chars: int, param: str) -> None:
-        """Refuse a prompt that cannot fit the context whatever its tokens, before spending
-        the tokenizer's time on it (a 3.9 MB prompt took 2 s, and other requests waited)."""
-        limit = self.max_len * CHARS_PER_TOKEN
-        if n_chars > limit:
-            raise APIError(400, f"{param} has {n_chars} characters; the context of "
-                                f"{self.max_len} tokens cannot hold more than about {limit}",
-                           param=param, code="context_length_exceeded")
+        check_chars(n_chars, param, self.max_len)
 
     def _check_template_chars(self, body) -> None:
-        """The character cap over everything the chat template renders: message text, the
-        arguments of earlier tool calls and the tools' schemas (each could carry megabytes
-        into the template and the tokenizer)."""
-        messages = sum(len(m.text()) + sum(len(c.function.arguments) for c in m.tool_calls or ())
-                       for m in body.messages)
-        tools = sum(len(json.dumps(t.function.parameters or {})) +
-                    len(t.function.description or "") for t in body.tools or ())
-        self._check_chars(messages + tools, "tools" if tools > messages else "messages")
+        check_template_chars(body, self.max_len)
 
     async def _grammar(self, req) -> tuple[GrammarSpec | None, str | None]:
         """The reply's grammar and the field that gave it, compiled once here (off the event

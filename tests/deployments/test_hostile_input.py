@@ -17,8 +17,9 @@ import httpx
 import pytest
 from serve_helpers import serve_app, tiny_app_args
 
-from deployments.ingress import CHARS_PER_TOKEN, HEALTH_TTL_S
+from deployments.ingress import HEALTH_TTL_S
 from deployments.launch import local_ray
+from deployments.prompt_size import CHARS_PER_TOKEN
 
 pytestmark = pytest.mark.integration
 
